@@ -1,0 +1,58 @@
+"""Casting the floating leaves of a pytree, and nothing else.
+
+Only arrays (``jax.Array``, ``numpy.ndarray``, tracers) and ``jax.ShapeDtypeStruct``
+leaves with a floating dtype are cast. Integers, booleans, PRNG keys (typed or raw
+``uint32``), ``None``, Python scalars and any other leaf pass through untouched, so
+token ids, masks and random keys survive a policy unchanged.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jaxamp.casting import cast_floating
+  >>> out = cast_floating({'x': jnp.ones(2), 'ids': jnp.arange(2)}, jnp.bfloat16)
+  >>> out['x'].dtype, out['ids'].dtype
+  (dtype(bfloat16), dtype('int32'))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["cast_floating", "is_floating_array"]
+
+
+def is_floating_array(x: Any) -> bool:
+  """Whether ``x`` is an array (or shape struct) whose dtype is floating point."""
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    return False
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+  if not is_floating_array(x) or x.dtype == dtype:
+    return x
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+  if isinstance(x, (np.ndarray, np.generic)):
+    return np.asarray(x).astype(dtype)
+  return x.astype(dtype)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+  """Casts every floating-point array leaf of ``tree`` to ``dtype``.
+
+  Works on any pytree: dicts, lists, NamedTuples, ``FrozenDict``, ``nnx.State``.
+  Leaves already of ``dtype`` are returned as they are (no cast is traced).
+
+  Args:
+    tree: a pytree.
+    dtype: the target floating dtype.
+
+  Returns:
+    ``tree`` with its floating leaves cast to ``dtype``.
+  """
+  dtype = np.dtype(dtype)
+  return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)

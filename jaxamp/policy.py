@@ -1,0 +1,355 @@
+"""Mixed-precision policies: names, parsing, the global policy and scopes.
+
+A :class:`Policy` names three dtypes: how parameters are stored (``param_dtype``),
+what matmuls and convolutions run in (``compute_dtype``) and what a module
+returns (``output_dtype``). Policies are parsed from Keras names
+(``'mixed_bfloat16'``), jmp strings (``'params=float32,compute=bfloat16'``),
+``jmp.Policy`` objects and dtypes.
+
+Example:
+  >>> import jaxamp
+  >>> p = jaxamp.get_policy('mixed_bfloat16')
+  >>> p
+  Policy(param_dtype='float32', compute_dtype='bfloat16', output_dtype='bfloat16')
+  >>> jaxamp.get_policy('p=f32,c=bf16,o=f32').name
+  'params=float32,compute=bfloat16,output=float32'
+  >>> with jaxamp.policy_scope('mixed_bfloat16'):
+  ...   jaxamp.global_policy().name
+  'mixed_bfloat16'
+  >>> jaxamp.global_policy().name
+  'float32'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp.casting import cast_floating
+
+__all__ = [
+    "Policy",
+    "PolicyLike",
+    "get_policy",
+    "global_policy",
+    "set_global_policy",
+    "policy_scope",
+    "POLICY_NAMES",
+]
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_FLOAT32 = np.dtype(jnp.float32)
+
+# Keras names: a dtype name sets all three; 'mixed_*' keeps params in float32
+# and computes (and outputs, as in Keras) in the half dtype.
+POLICY_NAMES: tuple[str, ...] = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "mixed_float16",
+    "mixed_bfloat16",
+)
+
+# jmp's dtype tokens (jmp/_src/policy.py), 'half' resolved per backend as jmp does.
+_DTYPE_TOKENS = {
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "full": jnp.float32,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+}
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+
+_GRAMMAR = (
+    "Valid policies: a name in {names}; a jmp string 'params=DT,compute=DT,output=DT' "
+    "(keys may be shortened to p, c, o; params defaults to float32, compute to params, "
+    "output to compute; DT is one of {tokens} or 'half', which is bfloat16 on TPU and "
+    "float16 elsewhere); a bare DT; a jaxamp.Policy; a jmp.Policy; or a floating dtype."
+)
+
+
+def _grammar() -> str:
+  return _GRAMMAR.format(names=", ".join(repr(n) for n in POLICY_NAMES),
+                         tokens=", ".join(sorted(_DTYPE_TOKENS)))
+
+
+def _to_dtype(value: Any, what: str) -> np.dtype:
+  try:
+    dtype = np.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"{what} must be a floating dtype, got {value!r}.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"{what} must be a floating dtype (float16, bfloat16, float32, float64), got {dtype}.")
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Policy:
+  """An immutable mixed-precision policy: param, compute and output dtypes.
+
+  Hashable and compared by value, so it can be a static argument to ``jax.jit``.
+
+  Args:
+    param_dtype: dtype parameters are stored in.
+    compute_dtype: dtype matmuls and convolutions run in; defaults to ``param_dtype``.
+    output_dtype: dtype a module returns; defaults to ``compute_dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp import Policy
+    >>> p = Policy(jnp.float32, jnp.bfloat16)
+    >>> p.name, p.cast_to_compute(jnp.ones(2)).dtype
+    ('mixed_bfloat16', dtype(bfloat16))
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+
+  def __init__(self, param_dtype: Any, compute_dtype: Any = None, output_dtype: Any = None):
+    param = _to_dtype(param_dtype, "param_dtype")
+    compute = param if compute_dtype is None else _to_dtype(compute_dtype, "compute_dtype")
+    output = compute if output_dtype is None else _to_dtype(output_dtype, "output_dtype")
+    object.__setattr__(self, "param_dtype", param)
+    object.__setattr__(self, "compute_dtype", compute)
+    object.__setattr__(self, "output_dtype", output)
+
+  @property
+  def name(self) -> str:
+    """The canonical name: a Keras name where one applies, else a jmp string.
+
+    ``get_policy(p.name) == p`` always holds.
+    """
+    p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
+    if p == c == o:
+      return p.name
+    if p == _FLOAT32 and c in _HALF and o == c:
+      return f"mixed_{c.name}"
+    return f"params={p.name},compute={c.name},output={o.name}"
+
+  @property
+  def is_mixed(self) -> bool:
+    """Whether compute runs in a half dtype (float16 or bfloat16)."""
+    return self.compute_dtype in _HALF
+
+  def __repr__(self) -> str:
+    return (f"Policy(param_dtype='{self.param_dtype.name}', "
+            f"compute_dtype='{self.compute_dtype.name}', "
+            f"output_dtype='{self.output_dtype.name}')")
+
+  def __str__(self) -> str:
+    return self.name
+
+  def cast_to_param(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+    return cast_floating(tree, self.output_dtype)
+
+  def with_param_dtype(self, dtype: Any) -> Policy:
+    """A copy with ``param_dtype`` replaced."""
+    return Policy(dtype, self.compute_dtype, self.output_dtype)
+
+  def with_compute_dtype(self, dtype: Any) -> Policy:
+    """A copy with ``compute_dtype`` replaced."""
+    return Policy(self.param_dtype, dtype, self.output_dtype)
+
+  def with_output_dtype(self, dtype: Any) -> Policy:
+    """A copy with ``output_dtype`` replaced."""
+    return Policy(self.param_dtype, self.compute_dtype, dtype)
+
+  def to_jmp(self) -> Any:
+    """The equivalent ``jmp.Policy``."""
+    import jmp  # pylint: disable=g-import-not-at-top
+
+    # jmp keys its names by the jnp scalar types (jnp.float32), not numpy dtypes.
+    return jmp.Policy(param_dtype=getattr(jnp, self.param_dtype.name),
+                      compute_dtype=getattr(jnp, self.compute_dtype.name),
+                      output_dtype=getattr(jnp, self.output_dtype.name))
+
+
+PolicyLike = Union[Policy, str, Any]
+
+
+def _half_dtype() -> Any:
+  return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
+
+
+def _parse_token(token: str, spec: str) -> Any:
+  token = token.strip()
+  if token == "half":
+    return _half_dtype()
+  try:
+    return _DTYPE_TOKENS[token]
+  except KeyError:
+    raise ValueError(f"Unknown dtype {token!r} in policy {spec!r}. {_grammar()}") from None
+
+
+def _parse_string(spec: str) -> Policy:
+  s = spec.strip()
+  if s.startswith("mixed_"):
+    half = s[len("mixed_"):]
+    if half in ("float16", "bfloat16"):
+      return Policy(jnp.float32, half, half)
+    raise ValueError(f"Unknown policy {spec!r}. {_grammar()}")
+  if "=" not in s:
+    dtype = _parse_token(s, spec)
+    return Policy(dtype, dtype, dtype)
+  found: dict[str, Any] = {}
+  for part in s.split(","):
+    key, sep, value = part.partition("=")
+    key = key.strip()
+    if not sep or key not in _KEYS:
+      raise ValueError(f"Cannot parse {part!r} in policy {spec!r}: keys are params/p, "
+                       f"compute/c, output/o. {_grammar()}")
+    found[_KEYS[key]] = _parse_token(value, spec)
+  return Policy(found.get("params", jnp.float32), found.get("compute"), found.get("output"))
+
+
+def get_policy(spec: PolicyLike) -> Policy:
+  """Returns the :class:`Policy` that ``spec`` names.
+
+  Args:
+    spec: a ``Policy``; a Keras name (``'float32'``, ``'float16'``, ``'bfloat16'``,
+      ``'float64'``, ``'mixed_float16'``, ``'mixed_bfloat16'``); a jmp string such as
+      ``'params=float32,compute=bfloat16,output=float32'`` or ``'p=f32,c=bf16'``
+      (jmp's defaults for missing keys); a ``jmp.Policy``; or a floating dtype.
+
+  Returns:
+    The policy.
+
+  Raises:
+    ValueError: ``spec`` names no policy; the message lists what is valid.
+
+  Example:
+    >>> import jaxamp, jax.numpy as jnp
+    >>> jaxamp.get_policy(jnp.bfloat16).name
+    'bfloat16'
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if isinstance(spec, str):
+    return _parse_string(spec)
+  if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):
+    return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+  try:
+    dtype = np.dtype(spec)
+  except TypeError:
+    raise ValueError(f"Cannot make a policy from {spec!r}. {_grammar()}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"Cannot make a policy from non-floating dtype {dtype}. {_grammar()}")
+  return Policy(dtype, dtype, dtype)
+
+
+# --- global policy and scopes -------------------------------------------------------
+
+_global = get_policy("float32")
+_local = threading.local()
+_warned: set[tuple[str, str]] = set()
+
+
+def _stack() -> list[Policy]:
+  if not hasattr(_local, "stack"):
+    _local.stack = []
+  return _local.stack
+
+
+def _fast_path_missing(policy: Policy) -> str | None:
+  """Why ``policy``'s compute dtype has no fast path on the default backend, or None."""
+  if not policy.is_mixed:
+    return None
+  compute = policy.compute_dtype
+  backend = jax.default_backend()
+  if backend == "cpu" and compute == np.dtype(jnp.float16):
+    return ("XLA on CPU has no fast float16 path (and rejects float16 dots with float32 "
+            "accumulation); expect float16 to be slower than float32 here")
+  if backend == "gpu":
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+      major = float(cc) if cc is not None else None
+    except ValueError:
+      major = None
+    if major is not None:
+      need = 8.0 if compute == np.dtype(jnp.bfloat16) else 7.0
+      if major < need:
+        return (f"{compute.name} needs a GPU of compute capability >= {need} for Tensor Core "
+                f"speed; this one is {cc}")
+  return None
+
+
+def _warn_if_slow(policy: Policy, stacklevel: int) -> None:
+  key = (jax.default_backend(), policy.compute_dtype.name)
+  if key in _warned:
+    return
+  reason = _fast_path_missing(policy)
+  if reason is not None:
+    _warned.add(key)
+    warnings.warn(f"jaxamp: policy {policy.name!r} computes in {policy.compute_dtype.name}, "
+                  f"but {reason}. It will run correctly, not faster.", RuntimeWarning,
+                  stacklevel=stacklevel)
+
+
+def set_global_policy(spec: PolicyLike) -> None:
+  """Sets the process-wide default policy (scopes in any thread take precedence).
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.set_global_policy('mixed_bfloat16')
+    >>> jaxamp.global_policy().compute_dtype
+    dtype(bfloat16)
+    >>> jaxamp.set_global_policy('float32')
+  """
+  global _global
+  policy = get_policy(spec)
+  _warn_if_slow(policy, stacklevel=3)
+  _global = policy
+
+
+def global_policy() -> Policy:
+  """The policy in force: the innermost :func:`policy_scope` of this thread, else the global."""
+  stack = _stack()
+  return stack[-1] if stack else _global
+
+
+@contextlib.contextmanager
+def policy_scope(spec: PolicyLike) -> Iterator[Policy]:
+  """Makes ``spec`` the policy in force for this thread inside a ``with`` block.
+
+  Scopes nest, are thread-local, and restore the previous policy on exit,
+  exceptions included.
+
+  Example:
+    >>> import jaxamp
+    >>> with jaxamp.policy_scope('mixed_float16') as p:
+    ...   p.compute_dtype
+    dtype('float16')
+  """
+  policy = get_policy(spec)
+  _warn_if_slow(policy, stacklevel=4)  # generator -> contextlib -> caller
+  stack = _stack()
+  stack.append(policy)
+  try:
+    yield policy
+  finally:
+    stack.pop()
