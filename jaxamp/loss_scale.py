@@ -1,0 +1,423 @@
+"""Loss scaling as optax gradient transformations.
+
+float16 has a narrow exponent range: small gradients flush to zero. Loss scaling
+multiplies the loss by a scale before differentiation and divides the gradients
+by it afterwards. A loss-scale transformation is the *first* element of an
+``optax.chain``: it receives the scaled gradients, unscales them, and every later
+element (clipping, Adam, weight decay) sees true gradients. On a step where any
+gradient is inf or NaN it emits zeros and backs the scale off, as torch's
+``GradScaler`` does. bfloat16 has float32's exponent range and needs no scaling
+(:func:`loss_scale_for` picks for a policy).
+
+The scale lives in the optimizer state (:class:`LossScaleState`), so the loss is
+scaled with :func:`scale_loss` from that state. Zero updates still advance the
+later elements' state (Adam's moments decay, its count grows); wrap the chain in
+:func:`skip_nonfinite` where an overflow step must leave it exactly as it was.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxamp
+  >>> opt = optax.chain(jaxamp.dynamic_loss_scale(), optax.clip_by_global_norm(1.0),
+  ...                   optax.adamw(3e-4))
+  >>> params = {'w': jnp.ones(3, jnp.float16)}
+  >>> state = opt.init(params)
+  >>> def loss(p):
+  ...   return jnp.mean(p['w'] ** 2)
+  >>> @jax.jit
+  ... def step(params, state):
+  ...   grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+  ...   updates, state = opt.update(grads, state, params)
+  ...   return optax.apply_updates(params, updates), state
+  >>> params, state = step(params, state)
+  >>> jaxamp.get_loss_scale(state)
+  Array(32768., dtype=float32)
+  >>> params['w'].dtype, bool(params['w'][0] < 1)
+  (dtype('float16'), True)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp.casting import is_floating_array
+from jaxamp.policy import PolicyLike, get_policy
+
+__all__ = [
+    "LossScaleState",
+    "SkipNonfiniteState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "get_loss_scale",
+    "loss_scale_for",
+    "no_loss_scale",
+    "scale_loss",
+    "skip_nonfinite",
+    "static_loss_scale",
+]
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class LossScaleState(NamedTuple):
+  """State of a loss-scale transformation.
+
+  Holds only what changes from step to step; the hyperparameters (growth and
+  backoff factors, interval, floor, ceiling) live in the transformation, so they
+  survive ``jax.tree.flatten``/``unflatten``, ``jax.jit`` and checkpointing.
+
+  Attributes:
+    scale: float32 scalar the loss is multiplied by (always float32, whatever
+      the gradients' dtype).
+    growth_count: int32 scalar, consecutive finite steps since the scale last
+      changed or the last non-finite step.
+    finite: bool scalar, whether the last step's unscaled gradients were all
+      finite (``True`` after ``init``).
+    overflow_steps: int32 scalar, total number of non-finite steps.
+  """
+
+  scale: jax.Array
+  growth_count: jax.Array
+  finite: jax.Array
+  overflow_steps: jax.Array
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state.
+  """
+
+  inner_state: Any
+
+
+def _hyperparameter(name: str, value: Any) -> float:
+  """``value`` as a finite Python float, or a ValueError naming it."""
+  try:
+    number = float(value)
+  except jax.errors.ConcretizationTypeError:
+    raise TypeError(
+        f"{name} must be a concrete number, got the traced value {value!r}. Loss-scale "
+        "hyperparameters are fixed when the transformation is built; pass them to "
+        "optax.inject_hyperparams as static_args, or wrap a chain factory instead.") from None
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a number, got {value!r}.") from None
+  if not math.isfinite(number):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  return number
+
+
+def _check_scale(name: str, value: Any) -> float:
+  number = _hyperparameter(name, value)
+  if not 0 < number <= _FLOAT32_MAX:
+    raise ValueError(f"{name} must be > 0 and <= {_FLOAT32_MAX:.6g} (the float32 maximum), "
+                     f"got {value!r}.")
+  return number
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every floating array leaf of ``tree`` is finite.
+
+  Integer, boolean and other leaves count as finite; an empty tree is finite.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    A bool scalar ``jax.Array``.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> bool(jaxamp.all_finite({'a': jnp.ones(2), 'ids': jnp.arange(2)}))
+    True
+    >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf], jnp.float16)]))
+    False
+  """
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_floating_array(x)]
+  return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+
+
+def _zero_unless(finite: jax.Array, tree: Any) -> Any:
+  """``tree`` where ``finite``, else zeros in every numeric array leaf.
+
+  A select, not a multiply, so NaN and inf never leak into the result.
+  """
+
+  def leaf(x: Any) -> Any:
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.number):
+      return jnp.where(finite, x, jnp.zeros_like(x))
+    return x
+
+  return jax.tree.map(leaf, tree)
+
+
+def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
+  """Leafwise ``new if pred else old`` for two trees of one structure; jit-able.
+
+  Selecting (rather than blending arithmetically) keeps the chosen leaves
+  bit-identical, NaN and inf in the other tree included.
+  """
+  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
+                growth_interval: int | None, min_scale: float, max_scale: float,
+                unscale: bool = True) -> optax.GradientTransformation:
+  """The shared rule; arguments are already validated Python numbers.
+
+  ``growth_interval=None`` never grows; ``unscale=False`` skips the division
+  (for a scale fixed at 1).
+  """
+
+  def init_fn(params: Any) -> LossScaleState:
+    del params
+    return LossScaleState(scale=jnp.asarray(initial_scale, jnp.float32),
+                          growth_count=jnp.zeros([], jnp.int32),
+                          finite=jnp.asarray(True),
+                          overflow_steps=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates: Any, state: LossScaleState,
+                params: Any = None) -> tuple[Any, LossScaleState]:
+    del params
+    scale = jnp.asarray(state.scale, jnp.float32)
+
+    def unscale_leaf(g: Any) -> Any:
+      if not is_floating_array(g):
+        return g
+      # In float32 (float64 stays float64): a scale above 65504 is inf in float16.
+      wide = jnp.promote_types(g.dtype, jnp.float32)
+      return (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
+
+    if unscale:
+      updates = jax.tree.map(unscale_leaf, updates)
+    # Checked after unscaling: a scale below 1 can overflow a finite float16 gradient.
+    finite = all_finite(updates)
+    updates = _zero_unless(finite, updates)
+
+    count = state.growth_count + 1
+    if growth_interval is None:
+      grow = jnp.asarray(False)
+    else:
+      grow = count >= growth_interval
+    grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
+    backed_off = jnp.maximum(scale * backoff_factor, min_scale)
+    new_state = LossScaleState(
+        scale=jnp.where(finite, grown, backed_off).astype(jnp.float32),
+        growth_count=jnp.where(finite & ~grow, count, 0).astype(jnp.int32),
+        finite=finite,
+        overflow_steps=(state.overflow_steps + jnp.where(finite, 0, 1)).astype(jnp.int32))
+    return updates, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dynamic_loss_scale(initial_scale: float = 2.0**15,
+                       growth_factor: float = 2.0,
+                       backoff_factor: float = 0.5,
+                       growth_interval: int = 2000,
+                       min_scale: float = 1.0,
+                       max_scale: float = 2.0**24) -> optax.GradientTransformation:
+  """Dynamic loss scaling (torch ``GradScaler``'s rule), as an optax transformation.
+
+  Put it first in an ``optax.chain`` and compute gradients of
+  ``scale_loss(loss, opt_state)``. Each update divides the gradients by the scale
+  (in float32, cast back to each leaf's dtype; non-floating leaves pass through).
+  If any element is inf or NaN every numeric update leaf is zeros, the scale becomes ``max(scale * backoff_factor, min_scale)``
+  and ``growth_count`` resets; otherwise ``growth_count`` grows, and on reaching
+  ``growth_interval`` the scale becomes ``min(scale * growth_factor, max_scale)``
+  and the count resets.
+
+  Defaults are Keras' (initial 2^15; torch uses 2^16), with jmp's floor of 1 and
+  Apex's ceiling of 2^24 (neither torch nor Keras bounds the scale).
+
+  Args:
+    initial_scale: the first scale.
+    growth_factor: multiplier after ``growth_interval`` finite steps, >= 1.
+    backoff_factor: multiplier after a non-finite step, in (0, 1).
+    growth_interval: consecutive finite steps before growing, an integer >= 1.
+    min_scale: floor of the scale, > 0.
+    max_scale: ceiling of the scale; ``min_scale <= initial_scale <= max_scale``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`LossScaleState`.
+
+  Raises:
+    ValueError: a hyperparameter is out of range; the message names it.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> ls = jaxamp.dynamic_loss_scale(initial_scale=400.0)
+    >>> state = ls.init(None)
+    >>> updates, state = ls.update({'w': jnp.array([800.0, jnp.inf])}, state)
+    >>> updates['w'], state.scale, state.overflow_steps
+    (Array([0., 0.], dtype=float32), Array(200., dtype=float32), Array(1, dtype=int32))
+  """
+  initial = _check_scale("initial_scale", initial_scale)
+  growth = _hyperparameter("growth_factor", growth_factor)
+  backoff = _hyperparameter("backoff_factor", backoff_factor)
+  interval = _hyperparameter("growth_interval", growth_interval)
+  low = _check_scale("min_scale", min_scale)
+  high = _check_scale("max_scale", max_scale)
+  if growth < 1:
+    raise ValueError(f"growth_factor must be >= 1, got {growth_factor!r}.")
+  if not 0 < backoff < 1:
+    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}.")
+  if interval < 1 or interval != int(interval):
+    raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}.")
+  if interval > _INT32_MAX:
+    raise ValueError(f"growth_interval must be <= {_INT32_MAX}, got {growth_interval!r}.")
+  if not low <= initial <= high:
+    raise ValueError(
+        "Need min_scale <= initial_scale <= max_scale, got "
+        f"min_scale={min_scale!r}, initial_scale={initial_scale!r}, max_scale={max_scale!r}.")
+  return _loss_scale(initial, growth, backoff, int(interval), low, high)
+
+
+def static_loss_scale(scale: float) -> optax.GradientTransformation:
+  """A fixed loss scale: unscales, zeroes non-finite steps and counts them.
+
+  Like :func:`dynamic_loss_scale` with the scale never changing; ``growth_count``
+  counts consecutive finite steps since the last non-finite one.
+
+  Args:
+    scale: the scale, a finite number > 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`LossScaleState`.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> ls = jaxamp.static_loss_scale(128.0)
+    >>> updates, state = ls.update(jnp.array([256.0]), ls.init(None))
+    >>> updates, state.scale
+    (Array([2.], dtype=float32), Array(128., dtype=float32))
+  """
+  value = _check_scale("scale", scale)
+  return _loss_scale(value, 1.0, 1.0, None, value, value)
+
+
+def no_loss_scale() -> optax.GradientTransformation:
+  """No scaling (scale 1), but non-finite steps are still zeroed and counted.
+
+  For bfloat16 and float32, whose exponent range needs no scaling. Keeping the
+  same state as the other loss scales means a train step, :func:`get_loss_scale`
+  and :func:`skip_nonfinite` treat every policy alike, and an inf or NaN
+  gradient never reaches the optimizer, whatever the policy.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`LossScaleState`
+    with ``scale`` fixed at 1.0.
+  """
+  return _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0, unscale=False)
+
+
+def _loss_scale_states(opt_state: Any) -> list[LossScaleState]:
+  is_state = lambda x: isinstance(x, LossScaleState)
+  return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def get_loss_scale(opt_state: Any) -> jax.Array:
+  """The current loss scale in ``opt_state``: a float32 scalar, 1.0 if it has none.
+
+  Looks through any nesting (``optax.chain``, ``inject_hyperparams``,
+  :func:`skip_nonfinite`, ``MultiSteps``).
+
+  Raises:
+    ValueError: ``opt_state`` holds more than one :class:`LossScaleState`.
+  """
+  states = _loss_scale_states(opt_state)
+  if not states:
+    return jnp.ones([], jnp.float32)
+  if len(states) > 1:
+    raise ValueError(f"The optimizer state holds {len(states)} LossScaleStates; a chain "
+                     "should have exactly one loss-scale transformation, first.")
+  return jnp.asarray(states[0].scale, jnp.float32)
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+  """``loss`` in float32 times the current loss scale of ``opt_state``.
+
+  Differentiate this, not ``loss``: the backward pass then runs on scaled values,
+  which the loss-scale transformation divides out again.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> state = jaxamp.static_loss_scale(8.0).init(None)
+    >>> jaxamp.scale_loss(jnp.float16(1.5), state)
+    Array(12., dtype=float32)
+  """
+  return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
+
+
+def loss_scale_for(policy: PolicyLike) -> optax.GradientTransformation:
+  """The loss scale a policy needs: dynamic for float16 compute, none otherwise.
+
+  Args:
+    policy: anything :func:`jaxamp.get_policy` accepts.
+
+  Returns:
+    ``dynamic_loss_scale()`` if the compute dtype is float16, else ``no_loss_scale()``.
+  """
+  if get_policy(policy).compute_dtype == np.dtype(jnp.float16):
+    return dynamic_loss_scale()
+  return no_loss_scale()
+
+
+def skip_nonfinite(optimizer: optax.GradientTransformation
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Makes a non-finite step an exact no-op for ``optimizer``'s state.
+
+  On a non-finite step the updates are zeros and every leaf of the inner state is
+  bit-identical to before, except the :class:`LossScaleState`, which advances
+  (the scale backs off, the counters move). A step is non-finite when a loss-scale
+  element inside ``optimizer`` says so, or, if it has none, when any incoming
+  gradient is inf or NaN. Chooses with ``jnp.where``, so it is jit-able.
+
+  Args:
+    optimizer: the transformation to wrap, usually
+      ``optax.chain(dynamic_loss_scale(), ...)``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`SkipNonfiniteState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> opt = jaxamp.skip_nonfinite(optax.chain(jaxamp.dynamic_loss_scale(), optax.adam(1e-3)))
+    >>> state = opt.init(jnp.zeros(2))
+    >>> updates, state = opt.update(jnp.array([1.0, jnp.nan]), state)
+    >>> updates, optax.tree_utils.tree_get(state, 'count'), jaxamp.get_loss_scale(state)
+    (Array([0., 0.], dtype=float32), Array(0, dtype=int32), Array(16384., dtype=float32))
+  """
+  inner = optax.with_extra_args_support(optimizer)
+
+  def init_fn(params: Any) -> SkipNonfiniteState:
+    return SkipNonfiniteState(inner.init(params))
+
+  def update_fn(updates: Any, state: SkipNonfiniteState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, SkipNonfiniteState]:
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    scales = _loss_scale_states(new_inner)
+    if scales:
+      finite = functools.reduce(jnp.logical_and, [s.finite for s in scales])
+    else:
+      finite = all_finite(updates)
+
+    def keep(new: Any, old: Any) -> Any:
+      if isinstance(new, LossScaleState):
+        return new
+      return _select_tree(finite, new, old)
+
+    inner_state = jax.tree.map(keep, new_inner, state.inner_state,
+                               is_leaf=lambda x: isinstance(x, LossScaleState))
+    return _zero_unless(finite, new_updates), SkipNonfiniteState(inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,244 @@
+"""Per-module policy rules: by module class or by path, and how they resolve.
+
+A rule maps a *target* to a *policy*:
+
+- a module **class** (``nnx.Linear``, ``flax.linen.Dense``, your own class): the rule
+  applies to that class and its subclasses; when several class rules match, the most
+  specific class (nearest in the MRO) wins;
+- a **path pattern** string matched against the module's path, ``'/'``-joined
+  (``'blocks/0/attn'``). Patterns are *globs* over path segments: ``*`` matches one
+  segment (or part of one, as in ``'block_*'``), ``**`` matches any number of segments,
+  ``?`` one character. Pass a compiled ``re.Pattern`` for a regular expression (matched with
+  ``fullmatch``). Among path rules the most recently set wins.
+
+Precedence: explicit path rules beat class rules, which beat the enclosing policy.
+A module without a matching rule inherits the policy of the module that contains it,
+the top model taking the model-level policy.
+
+A rule's policy is anything :func:`jaxamp.get_policy` accepts, or a callable
+``enclosing_policy -> Policy`` for rules relative to the surrounding policy, such as
+the default for normalization layers, :func:`float32_compute`: compute in float32 and
+return the surrounding compute dtype (Keras does the same for its norm layers).
+BatchNorm, LayerNorm, RMSNorm and GroupNorm of both Flax APIs have that default;
+override it with the same rules, e.g. ``set_policy(nnx.LayerNorm, 'mixed_bfloat16')``.
+
+Example:
+  >>> import jaxamp
+  >>> from flax import nnx
+  >>> with jaxamp.policy_rules({'head': 'float32', nnx.Linear: 'mixed_bfloat16'}):
+  ...   jaxamp.resolve_policy(nnx.Linear, 'head', jaxamp.get_policy('float32')).name
+  ...   jaxamp.resolve_policy(nnx.Linear, 'blocks/0', jaxamp.get_policy('float32')).name
+  ...   jaxamp.resolve_policy(nnx.LayerNorm, 'ln', jaxamp.get_policy('mixed_bfloat16')).name
+  'float32'
+  'mixed_bfloat16'
+  'params=float32,compute=float32,output=bfloat16'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, Union
+
+import jax.numpy as jnp
+
+from jaxamp.policy import Policy, PolicyLike, get_policy
+
+__all__ = [
+    "float32_compute",
+    "set_policy",
+    "clear_policies",
+    "policy_rules",
+    "resolve_policy",
+    "NORM_CLASSES",
+    "Rule",
+]
+
+RuleSpec = Union[PolicyLike, Callable[[Policy], Policy]]
+Target = Union[type, str, "re.Pattern[str]"]
+
+
+def float32_compute(enclosing: Policy) -> Policy:
+  """Rule for precision-sensitive layers: compute in float32, return the enclosing compute dtype.
+
+  Parameters keep the enclosing param dtype. This is the default for normalization layers.
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.float32_compute(jaxamp.get_policy('mixed_float16')).name
+    'params=float32,compute=float32,output=float16'
+  """
+  return Policy(enclosing.param_dtype, jnp.float32, enclosing.compute_dtype)
+
+
+class Rule(NamedTuple):
+  """One registered rule: what it targets and the policy (or policy function) it gives."""
+
+  target: Target
+  spec: RuleSpec
+
+  def policy(self, enclosing: Policy) -> Policy:
+    """The policy this rule gives inside ``enclosing``."""
+    if _is_policy_fn(self.spec):
+      return get_policy(self.spec(enclosing))
+    return get_policy(self.spec)
+
+
+def _is_policy_fn(spec: Any) -> bool:
+  # Dtype classes such as jnp.bfloat16 are callable too; they name a policy.
+  return callable(spec) and not isinstance(spec, (Policy, type, str))
+
+
+def _norm_classes() -> tuple[type, ...]:
+  from flax import linen, nnx  # pylint: disable=g-import-not-at-top
+
+  return (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm,
+          linen.BatchNorm, linen.LayerNorm, linen.RMSNorm, linen.GroupNorm)
+
+
+NORM_CLASSES: tuple[type, ...] = _norm_classes()
+
+_lock = threading.Lock()
+
+
+def _defaults() -> dict[Any, Rule]:
+  return {cls: Rule(cls, float32_compute) for cls in NORM_CLASSES}
+
+
+# Insertion order matters for path rules (latest wins); dicts keep it.
+_rules: dict[Any, Rule] = _defaults()
+
+
+_GLOB_TOKENS = re.compile(r"\*\*/|/\*\*$|^\*\*$|\*|\?|/|[^*?/]+")
+_GLOB_REGEX = {"**/": "(?:[^/]+/)*", "/**": "(?:/[^/]+)*", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+
+
+def _glob_to_regex(pattern: str) -> re.Pattern[str]:
+  """Translates a path glob: ``*`` and ``?`` stay within a segment, ``**`` spans segments."""
+  return re.compile("".join(_GLOB_REGEX.get(tok) or re.escape(tok)
+                            for tok in _GLOB_TOKENS.findall(pattern)))
+
+
+def _check_target(target: Any) -> Any:
+  if isinstance(target, type):
+    return target
+  if isinstance(target, str):
+    if not target.strip("/"):
+      raise ValueError("A path pattern must not be empty; use the model-level policy instead.")
+    return target.strip("/")
+  if isinstance(target, re.Pattern):
+    return target
+  raise ValueError(f"A policy rule targets a module class, a glob path pattern (str) or a "
+                   f"compiled regex (re.Pattern); got {target!r} of type {type(target).__name__}.")
+
+
+def _check_spec(spec: Any) -> None:
+  if _is_policy_fn(spec):
+    return  # a function of the enclosing policy; checked when it is used
+  get_policy(spec)  # raises ValueError listing the valid names
+
+
+def set_policy(target: Target, spec: RuleSpec | None) -> None:
+  """Sets (or, with ``spec=None``, removes) the policy rule for ``target``.
+
+  Args:
+    target: a module class (covers subclasses; the most specific class wins), a glob
+      over ``'/'``-joined module paths (``'blocks/*/attn'``, ``'**/head'``), or a compiled
+      regex matched with ``fullmatch``.
+    spec: anything :func:`jaxamp.get_policy` accepts, a callable
+      ``enclosing_policy -> Policy`` (see :func:`float32_compute`), or None to remove.
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> jaxamp.set_policy('head', 'float32')
+    >>> jaxamp.resolve_policy(nnx.Linear, 'head', jaxamp.get_policy('mixed_bfloat16')).name
+    'float32'
+    >>> jaxamp.clear_policies()
+  """
+  target = _check_target(target)
+  with _lock:
+    if spec is None:
+      _rules.pop(target, None)
+      return
+    _check_spec(spec)
+    _rules.pop(target, None)  # re-setting a path rule makes it the most recent
+    _rules[target] = Rule(target, spec)
+
+
+def clear_policies() -> None:
+  """Removes every rule set by users and restores the defaults (float32 norms)."""
+  with _lock:
+    _rules.clear()
+    _rules.update(_defaults())
+
+
+@contextlib.contextmanager
+def policy_rules(rules: Mapping[Target, RuleSpec | None] | None = None) -> Iterator[None]:
+  """Adds ``rules`` for the duration of a ``with`` block, then restores the previous rules.
+
+  Any :func:`set_policy` or :func:`clear_policies` call inside the block is undone too.
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> with jaxamp.policy_rules({nnx.LayerNorm: None}):  # norms follow the model
+    ...   jaxamp.resolve_policy(nnx.LayerNorm, 'ln', jaxamp.get_policy('bfloat16')).name
+    'bfloat16'
+  """
+  with _lock:
+    saved = dict(_rules)
+  try:
+    for target, spec in (rules or {}).items():
+      set_policy(target, spec)
+    yield
+  finally:
+    with _lock:
+      _rules.clear()
+      _rules.update(saved)
+
+
+def _matches(target: Any, path: str) -> bool:
+  if isinstance(target, re.Pattern):
+    return target.fullmatch(path) is not None
+  return _glob_to_regex(target).fullmatch(path) is not None
+
+
+def _find_rule(cls: type, path: str) -> Rule | None:
+  with _lock:
+    rules = list(_rules.values())
+  path = path.strip("/")
+  path_rules = [r for r in rules if not isinstance(r.target, type)]
+  for rule in reversed(path_rules):  # latest wins
+    if path and _matches(rule.target, path):
+      return rule
+  mro = cls.__mro__
+  best, best_rank = None, len(mro)
+  for rule in rules:
+    if isinstance(rule.target, type) and rule.target in mro:
+      rank = mro.index(rule.target)
+      if rank < best_rank:
+        best, best_rank = rule, rank
+  return best
+
+
+def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike) -> Policy:
+  """The policy for a module of class ``cls`` at ``path`` inside a module running ``enclosing``.
+
+  Args:
+    cls: the module's class.
+    path: its path, ``'/'``-joined or as a tuple of keys (``('blocks', 0, 'attn')``).
+    enclosing: the policy of the module that contains it (the model-level policy for the
+      top module).
+
+  Returns:
+    The rule's policy (path rules first, then the most specific class rule), else
+    ``enclosing``.
+  """
+  if not isinstance(path, str):
+    path = "/".join(str(p) for p in path)
+  enclosing = get_policy(enclosing)
+  rule = _find_rule(cls, path)
+  return enclosing if rule is None else rule.policy(enclosing)
