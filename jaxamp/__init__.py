@@ -1,6 +1,18 @@
 """jaxamp: Keras-style mixed precision for JAX, Flax and optax."""
 
 from jaxamp.casting import cast_floating
+from jaxamp.loss_scale import (
+    LossScaleState,
+    SkipNonfiniteState,
+    all_finite,
+    dynamic_loss_scale,
+    get_loss_scale,
+    loss_scale_for,
+    no_loss_scale,
+    scale_loss,
+    skip_nonfinite,
+    static_loss_scale,
+)
 from jaxamp.policy import (
     POLICY_NAMES,
     Policy,
@@ -9,15 +21,53 @@ from jaxamp.policy import (
     policy_scope,
     set_global_policy,
 )
+from jaxamp.report import MatmulOp, PrecisionReport, precision_report
+from jaxamp.train import MasterWeightsState, TrainState, TrainStep, abstract_state, make_train_step
+from jaxamp.rules import (
+    NORM_CLASSES,
+    clear_policies,
+    float32_compute,
+    policy_rules,
+    resolve_policy,
+    set_policy,
+)
+
+from jaxamp import linen, nnx
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "linen",
+    "nnx",
     "POLICY_NAMES",
+    "MatmulOp",
     "Policy",
+    "PrecisionReport",
     "cast_floating",
     "get_policy",
     "global_policy",
     "policy_scope",
+    "precision_report",
     "set_global_policy",
+    "NORM_CLASSES",
+    "clear_policies",
+    "float32_compute",
+    "policy_rules",
+    "resolve_policy",
+    "set_policy",
+    "LossScaleState",
+    "SkipNonfiniteState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "get_loss_scale",
+    "loss_scale_for",
+    "no_loss_scale",
+    "scale_loss",
+    "skip_nonfinite",
+    "static_loss_scale",
+    "MasterWeightsState",
+    "TrainState",
+    "TrainStep",
+    "abstract_state",
+    "make_train_step",
 ]

@@ -1,0 +1,483 @@
+"""A functional, compiled train-step factory for mixed precision.
+
+:func:`make_train_step` returns a :class:`TrainStep` whose ``step`` is one XLA program
+that runs the model under its per-module policies, scales the loss, accumulates
+micro-batch gradients in float32, reduces them across devices, unscales, checks them
+for inf/NaN everywhere at once and, on an overflow, skips the whole update exactly:
+parameters, every optimizer-state leaf and the model state (BatchNorm statistics, RNG
+counters) stay bit-identical while the loss scale backs off.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxamp
+  >>> from flax import nnx
+  >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  >>> def loss_fn(model, batch):
+  ...   return jnp.mean((model(batch['x']) - batch['y']) ** 2)
+  >>> train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='mixed_bfloat16')
+  >>> state = train.init(model)
+  >>> batch = {'x': jnp.ones((8, 4)), 'y': jnp.zeros((8, 2))}
+  >>> state, metrics = train.step(state, batch)
+  >>> metrics['loss'].dtype, state.params['kernel'].dtype, int(metrics['skipped_steps'])
+  (dtype('float32'), dtype('float32'), 0)
+
+Loss scaling: the loss-scale element found in ``optimizer`` (see
+:func:`jaxamp.dynamic_loss_scale`) is used. If there is none, :func:`jaxamp.loss_scale_for`
+picks one from the policy: dynamic scaling for a float16 compute dtype, none (a scale of
+1.0 that still counts and skips non-finite steps) for bfloat16 and float32.
+
+Checkpoints: :class:`TrainState` is a plain pytree; save and restore it with
+orbax-checkpoint (``ocp.StandardCheckpointer().save(path, state)``, then
+``restore(path, jax.eval_shape(lambda: state))`` — see :func:`abstract_state`). The loss
+scale, its counters and the RNG state are in it, so a resumed run continues bit-identically.
+
+Data parallel: pass a ``jax.sharding.Mesh``. The batch is split on ``batch_axis``; params
+and optimizer state are replicated; each device computes gradients on its shard and they
+are averaged with ``lax.pmean`` in ``grad_reduce_dtype`` before the (global) finite check,
+so every device keeps the same loss scale. For several hosts, call
+``jax.distributed.initialize()`` in each process first, build the mesh over
+``jax.devices()`` and pass each host's part of the batch as a global array (e.g.
+``jax.make_array_from_process_local_data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxamp import loss_scale as _ls
+from jaxamp.casting import cast_floating
+from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
+
+__all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
+
+_F32 = np.dtype(jnp.float32)
+
+
+class TrainState(NamedTuple):
+  """Everything a training run carries from step to step.
+
+  Attributes:
+    params: trainable parameters, stored in the param dtype (an ``nnx.State`` for NNX
+      models, the ``'params'`` collection for Linen).
+    opt_state: the optimizer state, loss-scale state included
+      (:func:`jaxamp.get_loss_scale` reads it).
+    step: number of ``step`` calls made (skipped ones included; the optimizer's own
+      counters do not advance on skipped steps).
+    model_state: non-trainable state: BatchNorm statistics, NNX RNG streams, other
+      Linen collections.
+    rng: a PRNG key, split on each applied (not skipped) step for Linen's ``'dropout'``
+      stream (NNX models carry their RNG streams in ``model_state``).
+  """
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  model_state: Any
+  rng: jax.Array
+
+
+class MasterWeightsState(NamedTuple):
+  """Optimizer state with float32 master weights, for half-precision params.
+
+  Attributes:
+    master_params: float32 copies of the parameters; the optimizer updates these and
+      the stored params are their casts to the param dtype (MXNet ``multi_precision``,
+      Apex O2).
+    inner_state: the wrapped optimizer's state.
+  """
+
+  master_params: Any
+  inner_state: Any
+
+
+def abstract_state(state: TrainState) -> TrainState:
+  """The shape/dtype/sharding skeleton of ``state``, the target for an orbax restore."""
+  return jax.eval_shape(lambda s: s, state)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                  for k in path)
+
+
+class _Float32Outputs:
+  """Calls a policy-wrapped model and hands its floating outputs over in float32."""
+
+  def __init__(self, model: Any):
+    self.module = model
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return cast_floating(self.module(*args, **kwargs), _F32)
+
+  def __getattr__(self, name: str) -> Any:
+    attr = getattr(self.module, name)
+    if not callable(attr) or isinstance(attr, nnx.Module):
+      return attr
+    return lambda *a, **k: cast_floating(attr(*a, **k), _F32)
+
+
+# --- model adapters: how a model is split into state and called from the state --------
+
+
+@dataclasses.dataclass
+class _NNXAdapter:
+  graphdef: Any
+
+  @staticmethod
+  def split(model: nnx.Module) -> tuple[Any, Any, Any]:
+    return nnx.split(model, nnx.Param, ...)
+
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+    del rng  # NNX models carry their RNG streams in model_state
+    from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
+
+    # merge() reuses the State's Variable objects; rebuilding them here puts them at this
+    # trace level, so the model may update BatchNorm statistics and RNG counts under grad.
+    params, model_state = jax.tree.map(lambda x: x, (params, model_state))
+    model = nnx.merge(self.graphdef, params, model_state)
+    if not train:
+      model.eval()
+    wrapped = amp_nnx.with_policy(model, policy)
+    view = _Float32Outputs(wrapped) if float32_outputs else wrapped
+    return view, lambda: nnx.split(model, nnx.Param, ...)[2]
+
+  def model(self, state: TrainState) -> nnx.Module:
+    return nnx.merge(self.graphdef, state.params, state.model_state)
+
+
+@dataclasses.dataclass
+class _LinenAdapter:
+  module: Any
+
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+    from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+    wrapped = amp_linen.with_policy(self.module, policy)
+    cell = {"state": dict(model_state), "calls": 0}
+    mutable = list(model_state) if train else False
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+      rngs = {"dropout": jax.random.fold_in(rng, cell["calls"])}
+      cell["calls"] += 1
+      variables = {"params": params, **cell["state"]}
+      if mutable:
+        out, new_state = wrapped.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
+        cell["state"] = dict(new_state)
+      else:
+        out = wrapped.apply(variables, *args, rngs=rngs, **kwargs)
+      return cast_floating(out, _F32) if float32_outputs else out
+
+    return apply, lambda: cell["state"]
+
+  def model(self, state: TrainState) -> tuple[Any, dict[str, Any]]:
+    return self.module, {"params": state.params, **state.model_state}
+
+
+# --- the factory --------------------------------------------------------------------------
+
+
+class TrainStep:
+  """A compiled mixed-precision train step; build it with :func:`make_train_step`.
+
+  Attributes:
+    policy: the model-level policy.
+    trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+  """
+
+  def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
+               policy: Policy, has_aux: bool, grad_accum_steps: int, mesh: Any,
+               batch_axis: str, donate: bool, grad_reduce_dtype: Any,
+               master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
+               eval_fn: Callable[..., Any] | None, seed: int):
+    if grad_accum_steps < 1:
+      raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
+    if mesh is not None and batch_axis not in mesh.axis_names:
+      raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh; its axes are "
+                       f"{tuple(mesh.axis_names)}.")
+    self.policy = policy
+    self.loss_fn = loss_fn
+    self.eval_fn = eval_fn if eval_fn is not None else loss_fn
+    self.has_aux = has_aux
+    self.grad_accum_steps = grad_accum_steps
+    self.mesh = mesh
+    self.batch_axis = batch_axis
+    self.donate = donate
+    self.grad_reduce_dtype = np.dtype(grad_reduce_dtype)
+    half_params = policy.param_dtype != _F32 and policy.param_dtype.itemsize < 4
+    self.master_weights = half_params if master_weights is None else master_weights
+    self.float32_outputs = float32_outputs
+    self.debug_nonfinite = debug_nonfinite
+    self.seed = seed
+    self._user_optimizer = optimizer
+    self.optimizer: optax.GradientTransformation | None = None
+    self._adapter: Any = None
+    self._step_jit: Any = None
+    self._eval_jit: Any = None
+    self.trace_count = 0
+
+  # -- setup --
+
+  def init(self, model: Any, variables: Mapping[str, Any] | None = None) -> TrainState:
+    """Builds the first :class:`TrainState`.
+
+    Args:
+      model: an NNX module, or a Linen module (then pass ``variables``).
+      variables: the Linen variables (``module.init(...)``'s result).
+
+    Returns:
+      The train state, params cast to the param dtype (replicated over the mesh, if any).
+    """
+    if isinstance(model, nnx.Module):
+      if variables is not None:
+        raise ValueError("init(model) takes no variables for an NNX model.")
+      graphdef, params, model_state = _NNXAdapter.split(model)
+      self._adapter = _NNXAdapter(graphdef)
+    else:
+      if variables is None or "params" not in variables:
+        raise ValueError("For a Linen module call init(module, variables), where variables "
+                         "is module.init(...)'s result with a 'params' collection.")
+      self._adapter = _LinenAdapter(model)
+      params = variables["params"]
+      model_state = {k: v for k, v in variables.items() if k != "params"}
+    params = self.policy.cast_to_param(params)
+    self.optimizer = self._build_optimizer(params)
+    opt_params = cast_floating(params, _F32) if self.master_weights else params
+    opt_state = self.optimizer.init(opt_params)
+    if self.master_weights:
+      opt_state = MasterWeightsState(opt_params, opt_state)
+    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
+                       model_state=model_state, rng=jax.random.key(self.seed))
+    self._compile()
+    if self.mesh is not None:
+      state = jax.device_put(state, self._replicated())
+    return state
+
+  def _build_optimizer(self, params: Any) -> optax.GradientTransformation:
+    found = optax.tree_utils.tree_get(jax.eval_shape(self._user_optimizer.init, params),
+                                      "LossScaleState")
+    tx = self._user_optimizer
+    if found is None:
+      tx = optax.chain(_ls.loss_scale_for(self.policy), tx)
+    return _ls.skip_nonfinite(tx)
+
+  def _replicated(self) -> Any:
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+  def _compile(self) -> None:
+    donate = (0,) if self.donate else ()
+    if self.mesh is None:
+      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate)
+      self._eval_jit = jax.jit(self._eval_impl)
+    else:
+      repl = self._replicated()
+      data = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate,
+                               in_shardings=(repl, data), out_shardings=(repl, repl))
+      self._eval_jit = jax.jit(self._eval_impl, in_shardings=(repl, data))
+
+  # -- public steps --
+
+  def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    """One training step; compiled once per batch shape. Donates ``state`` by default."""
+    if self._step_jit is None:
+      raise RuntimeError("Call train.init(...) before train.step(...).")
+    return self._step_jit(state, batch)
+
+  def eval_step(self, state: TrainState, batch: Any) -> Any:
+    """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
+
+    NNX models are switched to ``.eval()`` (deterministic dropout, running BatchNorm
+    statistics); Linen modules get no mutable collections. Nothing is updated. Floating
+    results come back in float32.
+    """
+    if self._eval_jit is None:
+      raise RuntimeError("Call train.init(...) before train.eval_step(...).")
+    return self._eval_jit(state, batch)
+
+  def model(self, state: TrainState) -> Any:
+    """The model with the state's parameters: an NNX module, or ``(module, variables)``."""
+    if self._adapter is None:
+      raise RuntimeError("Call train.init(...) first.")
+    return self._adapter.model(state)
+
+  # -- the traced bodies --
+
+  def _loss_and_grads(self, params, model_state, batch, rng, scale):
+    """Scaled-loss gradients over micro-batches, accumulated in float32."""
+
+    def scaled_loss(p, ms, mb, key):
+      model, new_state = self._adapter.bind(p, ms, key, self.policy, train=True,
+                                            float32_outputs=self.float32_outputs)
+      out = self.loss_fn(model, mb)
+      loss, aux = out if self.has_aux else (out, None)
+      loss = jnp.asarray(loss).astype(_F32)
+      if loss.shape != ():
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
+      return loss * scale, (loss, aux, new_state())
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    k = self.grad_accum_steps
+    if k == 1:
+      grads, (loss, aux, model_state) = grad_fn(params, model_state, batch, rng)
+      return grads, loss, aux, model_state
+
+    def split(x):
+      if x.shape[0] % k:
+        raise ValueError(f"grad_accum_steps={k} must divide the batch size {x.shape[0]} "
+                         "(per device, with a mesh).")
+      return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+    micro = jax.tree.map(split, batch)
+    acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
+
+    def body(carry, xs):
+      acc, ms = carry
+      mb, i = xs
+      g, (loss, aux, ms) = grad_fn(params, ms, mb, jax.random.fold_in(rng, i))
+      acc = jax.tree.map(lambda a, b: a + b.astype(_F32), acc, g)
+      return (acc, ms), (loss, aux)
+
+    (acc, model_state), (losses, auxes) = jax.lax.scan(body, (acc0, model_state),
+                                                       (micro, jnp.arange(k)))
+    grads = jax.tree.map(lambda a: a / k, acc)
+    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
+                       else a[-1], auxes)
+    return grads, jnp.mean(losses), aux, model_state
+
+  def _reduce(self, grads, loss, aux, model_state):
+    axis = self.batch_axis
+    dt = self.grad_reduce_dtype
+    grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axis).astype(g.dtype), grads)
+
+    def mean_floats(t):
+      return jax.tree.map(lambda a: jax.lax.pmean(a, axis)
+                          if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
+
+    return grads, jax.lax.pmean(loss, axis), mean_floats(aux), mean_floats(model_state)
+
+  def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
+    if self.mesh is None:
+      return self._loss_and_grads(state.params, state.model_state, batch, rng, scale)
+    P = jax.sharding.PartitionSpec
+    axis = self.batch_axis
+
+    def local(params, model_state, batch, rng, scale):
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+      out = self._loss_and_grads(params, model_state, batch, rng, scale)
+      return self._reduce(*out)
+
+    sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(axis), P(), P()),
+                            out_specs=P(), check_vma=False)
+    data = jax.sharding.NamedSharding(self.mesh, P(axis))
+    axis_type = dict(zip(self.mesh.axis_names, self.mesh.axis_types))[axis]
+    explicit = axis_type == jax.sharding.AxisType.Explicit
+    # Explicit mesh axes take a reshard; Auto ones a sharding constraint.
+    put = jax.reshard if explicit else jax.lax.with_sharding_constraint
+    batch = jax.tree.map(lambda x: put(x, data), batch)
+    return sharded(state.params, state.model_state, batch, rng, scale)
+
+  def _step_impl(self, state: TrainState, batch: Any):
+    self.trace_count += 1  # runs only while tracing
+    scale = _ls.get_loss_scale(state.opt_state)
+    next_rng, step_rng = jax.random.split(state.rng)
+    grads, loss, aux, model_state = self._grads(state, batch, scale, step_rng)
+    if self.master_weights:
+      master, inner = state.opt_state
+      grads32 = cast_floating(grads, _F32)
+      updates, inner = self.optimizer.update(grads32, inner, master)
+      master = optax.apply_updates(master, updates)
+      finite = optax.tree_utils.tree_get(inner, "LossScaleState").finite
+      master = _ls._select_tree(finite, master, state.opt_state.master_params)
+      opt_state = MasterWeightsState(master, inner)
+      params = self.policy.cast_to_param(master)
+      params = jax.tree.map(lambda n, o: n.astype(o.dtype), params, state.params)
+    else:
+      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      finite = optax.tree_utils.tree_get(opt_state, "LossScaleState").finite
+    # A skipped step leaves no trace but the loss scale: a run that overflows on batch k
+    # ends where a run that never saw batch k ends.
+    params = _ls._select_tree(finite, params, state.params)
+    model_state = _ls._select_tree(finite, model_state, state.model_state)
+    next_rng = jax.lax.select(finite, next_rng, state.rng)
+    ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
+    grad_norm = optax.global_norm(cast_floating(grads, _F32)) / scale
+    metrics: dict[str, Any] = {
+        "loss": loss,
+        "loss_scale": ls_state.scale,
+        "grads_finite": finite,
+        "grad_norm": grad_norm,
+        "skipped_steps": ls_state.overflow_steps,
+    }
+    if self.debug_nonfinite:
+      leaves = jax.tree_util.tree_flatten_with_path(
+          grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+      metrics["nonfinite_grads"] = {
+          _path_name(path): jnp.logical_not(_ls.all_finite(g)) for path, g in leaves}
+    if self.has_aux:
+      if isinstance(aux, Mapping) and not set(aux) & set(metrics):
+        metrics.update(aux)
+      else:
+        metrics["aux"] = aux
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                           model_state=model_state, rng=next_rng)
+    return new_state, metrics
+
+  def _eval_impl(self, state: TrainState, batch: Any):
+    model, _ = self._adapter.bind(state.params, state.model_state, state.rng, self.policy,
+                                  train=False, float32_outputs=self.float32_outputs)
+    return cast_floating(self.eval_fn(model, batch), _F32)
+
+
+def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
+                    policy: PolicyLike | None = None, has_aux: bool = False,
+                    grad_accum_steps: int = 1, mesh: Any = None, batch_axis: str = "data",
+                    donate: bool = True, grad_reduce_dtype: Any = jnp.float32,
+                    master_weights: bool | None = None, float32_outputs: bool = True,
+                    debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
+                    seed: int = 0) -> TrainStep:
+  """Builds a compiled mixed-precision train step.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      ``model`` runs under its per-module policies: the policy-wrapped NNX module, or for
+      Linen a callable ``model(*args, **kw)`` applying the module (BatchNorm statistics
+      and the ``'dropout'`` RNG are handled for you). Its floating outputs arrive in
+      float32 unless ``float32_outputs=False``; the loss is computed and reported in float32.
+    optimizer: an optax transformation. A loss-scale element in it (e.g.
+      ``optax.chain(jaxamp.dynamic_loss_scale(), optax.adamw(3e-4))``) is used; without
+      one, ``jaxamp.loss_scale_for(policy)`` is put first (dynamic for float16 compute).
+    policy: the model-level policy; None takes ``jaxamp.global_policy()`` now.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a dict ``aux`` is merged into
+      the metrics, anything else is under ``metrics['aux']``.
+    grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
+      scale updates once per step and the whole step is skipped if any micro-batch
+      overflows. Floating aux values are averaged over micro-batches.
+    mesh: a ``jax.sharding.Mesh`` for data parallelism, or None.
+    batch_axis: the mesh axis the batch is split on.
+    donate: donate the input state's buffers to the step.
+    grad_reduce_dtype: dtype of the cross-device gradient mean.
+    master_weights: keep float32 master weights in the optimizer state; default: on
+      when the param dtype is half (``'float16'``, ``'bfloat16'`` policies).
+    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32.
+    debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
+      whether its gradient had an inf/NaN, to find the layer that overflowed.
+    eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
+    seed: seed of the state's PRNG key (Linen dropout).
+
+  Returns:
+    A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
+  """
+  policy = global_policy() if policy is None else get_policy(policy)
+  return TrainStep(loss_fn, optimizer, policy=policy, has_aux=has_aux,
+                   grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis,
+                   donate=donate, grad_reduce_dtype=grad_reduce_dtype,
+                   master_weights=master_weights, float32_outputs=float32_outputs,
+                   debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed)
