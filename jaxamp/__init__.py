@@ -1,5 +1,6 @@
 """jaxamp: Keras-style mixed precision for JAX, Flax and optax."""
 
+from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -13,6 +14,8 @@ from jaxamp.loss_scale import (
     skip_nonfinite,
     static_loss_scale,
 )
+from jaxamp.op_lists import AutocastLists, ReductionSize
+from jaxamp.opt_levels import OPT_LEVELS, OptLevel, opt_level
 from jaxamp.policy import (
     POLICY_NAMES,
     Policy,
@@ -70,4 +73,10 @@ __all__ = [
     "TrainStep",
     "abstract_state",
     "make_train_step",
+    "AutocastLists",
+    "OPT_LEVELS",
+    "OptLevel",
+    "ReductionSize",
+    "autocast",
+    "opt_level",
 ]

@@ -1,0 +1,334 @@
+"""Which precision each JAX primitive runs in under :func:`jaxamp.autocast`: the lists as data.
+
+:func:`jaxamp.autocast` looks up every primitive of the traced function in an
+:class:`AutocastLists` and casts its floating operands accordingly:
+
+============= ============================================= =========================================
+list          operands are cast to                          examples
+============= ============================================= =========================================
+low_precision the policy's compute dtype (so is the result) ``dot_general``, ``conv_general_dilated``
+float32       float32 (float16/bfloat16 operands only)      ``exp``, ``log``, ``pow``, ``rsqrt``,
+                                                            ``cumprod``, linear algebra, ``fft``
+widest        the widest floating operand type (scalar      ``add``, ``mul``, ``select_n``,
+              literals follow the other operands)           ``concatenate``, comparisons
+passthrough   nothing: runs in whatever dtype arrives       ``reshape``, ``tanh``, ``reduce_max``,
+                                                            ``gather``, collectives, PRNG ops
+as_traced     the dtypes the function was traced with       ``scatter`` (its combiner is typed),
+                                                            ``bitcast_convert_type``, callbacks
+conditional   whichever list a rule picks per equation      ``reduce_sum``, ``cumsum``: float32 when
+                                                            they sum more than 1 element
+============= ============================================= =========================================
+
+A primitive in no list is treated as ``as_traced``: autocast cannot know whether an
+unknown primitive (a Pallas kernel, a callback) accepts other dtypes. Integer, boolean
+and PRNG-key operands are never cast, and float64 operands are left alone (as torch
+leaves double tensors alone). The higher-order primitives in :data:`HIGHER_ORDER`
+(``jit``, ``scan``, ``while``, ``cond``, checkpoint, ``custom_jvp_call``,
+``custom_vjp_call``, ``shard_map``) are not in any list: autocast recurses into them.
+
+Side by side with the peers (see ``shared/REFERENCE.md``):
+
+=================== ======================================= ===============================
+jaxamp              torch CUDA autocast                     MXNet AMP
+=================== ======================================= ===============================
+low_precision       matmul, mm, bmm, addmm, linear, conv*   FP16_FUNCS (FullyConnected,
+                                                            Convolution, gemm, einsum, RNN)
+float32             exp, log*, pow, rsqrt, acos, asin,      FP32_FUNCS (exp, log, norm,
+                    cosh, sinh, tan, erfinv, cumprod, prod  topk, ...)
+conditional         sum, cumsum (always float32 in torch)   CONDITIONAL_FP32_FUNCS
+widest              addcmul, atan2, cat, stack, index_put   WIDEST_TYPE_CASTS
+passthrough         (everything not listed)                 FP16_FP32_FUNCS
+as_traced           (none: torch ops carry no typed bodies) (none)
+=================== ======================================= ===============================
+
+Differences, on purpose: softmax, log_softmax, layer/group norm and the losses are
+not primitives in JAX; they decompose into ``exp``, ``reduce_sum``, ``rsqrt``, ``log``
+which the lists put in float32, so they run in float32 as in torch. ``square`` and
+``integer_pow`` are float32 like torch's ``pow`` (``x**2`` overflows float16 above 256).
+``sqrt``, ``tanh``, ``logistic`` and ``erf`` are passthrough as in torch.
+
+The lists are immutable; edit a copy:
+
+  >>> from jaxamp.op_lists import AutocastLists, ReductionSize
+  >>> lists = AutocastLists().add('tanh', to='float32')
+  >>> lists.category('tanh'), AutocastLists().category('tanh')
+  ('float32', 'passthrough')
+  >>> lists = lists.add('reduce_sum', to=ReductionSize(more_than=1024))
+  >>> lists.category('reduce_sum'), lists.remove('tanh').category('tanh') is None
+  ('conditional', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+__all__ = [
+    "AutocastLists",
+    "CATEGORIES",
+    "DEFAULT_LISTS",
+    "HIGHER_ORDER",
+    "ReductionSize",
+    "Rule",
+]
+
+CATEGORIES: tuple[str, ...] = ("low_precision", "float32", "widest", "passthrough", "as_traced")
+"""The lists an equation can be run by (a conditional rule returns one of these)."""
+
+# A rule gets the equation (a ``jax.extend.core.JaxprEqn``: primitive, params, operand
+# avals) and returns one of CATEGORIES.
+Rule = Callable[[Any], str]
+
+HIGHER_ORDER: frozenset[str] = frozenset({
+    # calls: inlined
+    "jit", "closed_call", "call",
+    # rematerialisation (jax.checkpoint): re-wrapped in jax.checkpoint
+    "remat2",
+    # control flow: bodies autocast, operands and results at the traced dtypes
+    "scan", "while", "cond",
+    # custom derivatives: primal and rules autocast, the rules kept
+    "custom_jvp_call", "custom_vjp_call",
+    "shard_map",
+})
+"""Primitives autocast recurses into; they belong to no list and cannot be added to one."""
+
+_LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+_FLOAT32 = frozenset({
+    # exponentials, logarithms, powers (torch: exp, expm1, log*, pow, rsqrt)
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    # trigonometric and hyperbolic functions torch keeps in float32, and their inverses
+    "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
+    # special functions
+    "erf_inv", "erfc", "lgamma", "digamma", "polygamma", "igamma", "igammac",
+    "igamma_grad_a", "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
+    "regularized_incomplete_beta", "random_gamma",
+    # products and log-sum-exps (torch: prod, cumprod)
+    "reduce_prod", "cumprod", "cumlogsumexp",
+    # linear algebra and FFT: no half-precision kernels, and ill-conditioned in half
+    "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
+    "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "geqrf",
+    "geqp3", "orgqr", "fft",
+})
+
+_WIDEST = frozenset({
+    # binary arithmetic and comparisons: lax requires equal operand dtypes
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2", "nextafter",
+    "complex", "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
+    # several arrays combined into one
+    "clamp", "select_n", "concatenate", "stack", "pad", "dynamic_update_slice",
+    "select_and_gather_add", "select_and_scatter_add", "ragged_all_to_all",
+})
+
+_PASSTHROUGH = frozenset({
+    # elementwise functions fine in half precision (torch leaves them alone too)
+    "abs", "neg", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt", "tanh",
+    "logistic", "sin", "cos", "atan", "erf", "real", "imag", "conj", "reduce_precision",
+    "convert_element_type", "stop_gradient", "copy", "copy_p",
+    # layout and indexing
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "dynamic_slice", "gather", "split", "tile", "unstack", "iota",
+    # exact reductions, selections and sorts
+    "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
+    "cummax", "cummin", "sort", "top_k", "approx_top_k", "reduce_window_max",
+    "reduce_window_min", "reduce_window_sum",
+    # integer and boolean bit operations
+    "not", "and", "or", "xor", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "population_count", "clz", "mulhi",
+    # PRNG (keys and bits are never floating)
+    "rng_bit_generator", "random_seed", "random_split", "random_fold_in", "random_bits",
+    "random_wrap", "random_unwrap", "threefry2x32", "lu_pivots_to_permutation",
+    # collectives: each operand reduced or moved on its own
+    "psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_gather", "all_to_all",
+    "reduce_scatter", "pvary", "psum_invariant", "all_gather_invariant", "axis_index",
+    # placement, naming and effects plumbing
+    "device_put", "sharding_constraint", "mesh_cast", "reshard", "optimization_barrier",
+    "name", "stage", "dce_sink", "create_token", "after_all",
+})
+
+_AS_TRACED = frozenset({
+    # their params hold a combiner jaxpr typed at the traced dtype
+    "reduce", "reduce_window", "select_and_scatter", "scatter", "scatter-add",
+    "scatter-sub", "scatter-mul", "scatter-min", "scatter-max", "custom_linear_solve",
+    # meaning depends on the exact dtype
+    "bitcast_convert_type", "rng_uniform",
+    # mutable references keep their dtype
+    "get", "swap", "addupdate", "empty2",
+    # opaque: callbacks, kernels, internal linearization
+    "pure_callback", "io_callback", "debug_callback", "pallas_call", "custom_lin",
+    "linear_call",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionSize:
+  """A conditional rule: one list for large reductions, another for small ones.
+
+  The size is how many elements are combined into each output element: the product
+  of the reduced axes for ``reduce_*`` (``axes``), the scanned axis for ``cum*``
+  (``axis``).
+
+  Args:
+    more_than: reductions of more than this many elements go to ``large``.
+    large: the list for large reductions.
+    small: the list for the others.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxamp.op_lists import ReductionSize
+    >>> eqn = jax.make_jaxpr(lambda x: x.sum(1))(jnp.ones((2, 8))).eqns[0]
+    >>> ReductionSize(4)(eqn), ReductionSize(8)(eqn)
+    ('float32', 'passthrough')
+  """
+
+  more_than: int
+  large: str = "float32"
+  small: str = "passthrough"
+
+  def __post_init__(self):
+    for field in ("large", "small"):
+      if getattr(self, field) not in CATEGORIES:
+        raise ValueError(f"ReductionSize.{field} must be one of {CATEGORIES}, "
+                         f"got {getattr(self, field)!r}.")
+
+  def __call__(self, eqn: Any) -> str:
+    shape = eqn.invars[0].aval.shape
+    if "axes" in eqn.params:
+      axes = tuple(eqn.params["axes"])
+    elif "axis" in eqn.params:
+      axes = (eqn.params["axis"],)
+    else:
+      axes = tuple(range(len(shape)))
+    size = math.prod(shape[a] for a in axes)
+    return self.large if size > self.more_than else self.small
+
+
+_CONDITIONAL: Mapping[str, Rule] = {
+    # torch and MXNet sum in float32 always; a sum of a single element is a copy.
+    "reduce_sum": ReductionSize(more_than=1),
+    "cumsum": ReductionSize(more_than=1),
+}
+
+
+def _frozen(names: Iterable[str], what: str) -> frozenset[str]:
+  if isinstance(names, str):
+    raise TypeError(f"AutocastLists.{what} must be a collection of primitive names, "
+                    f"got the string {names!r}.")
+  return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastLists:
+  """The op lists of :func:`jaxamp.autocast`: primitive names per precision rule.
+
+  ``AutocastLists()`` is the default. Instances are immutable and hashable;
+  :meth:`add` and :meth:`remove` return edited copies. A name may be in one list
+  at most; names of :data:`HIGHER_ORDER` primitives may be in none.
+
+  Attributes:
+    low_precision: cast to the policy's compute dtype.
+    float32: float16/bfloat16 operands cast to float32.
+    widest: cast to the widest floating operand dtype (scalar literals and weakly
+      typed values follow the others).
+    passthrough: run in whatever dtype arrives.
+    as_traced: cast back to the dtypes the function was traced with.
+    conditional: name -> rule; the rule gets the equation and returns one of
+      :data:`CATEGORIES`.
+  """
+
+  low_precision: frozenset[str] = _LOW_PRECISION
+  float32: frozenset[str] = _FLOAT32
+  widest: frozenset[str] = _WIDEST
+  passthrough: frozenset[str] = _PASSTHROUGH
+  as_traced: frozenset[str] = _AS_TRACED
+  conditional: Mapping[str, Rule] = dataclasses.field(
+      default_factory=lambda: dict(_CONDITIONAL))
+
+  def __post_init__(self):
+    seen: dict[str, str] = {}
+    clashes = []
+    for what in CATEGORIES:
+      names = _frozen(getattr(self, what), what)
+      object.__setattr__(self, what, names)
+      for name in names:
+        if name in seen:
+          clashes.append(f"{name!r} ({seen[name]} and {what})")
+        seen[name] = what
+    conditional = dict(self.conditional)
+    for name, rule in conditional.items():
+      if not callable(rule):
+        raise TypeError(f"The conditional rule for {name!r} must be callable, got {rule!r}.")
+      if name in seen:
+        clashes.append(f"{name!r} ({seen[name]} and conditional)")
+      seen[name] = "conditional"
+    object.__setattr__(self, "conditional", types.MappingProxyType(conditional))
+    if clashes:
+      raise ValueError("A primitive may be in one list only; found " + ", ".join(clashes) + ".")
+    higher = sorted(HIGHER_ORDER.intersection(seen))
+    if higher:
+      raise ValueError(f"{higher} are higher-order primitives that autocast recurses into; "
+                       "they cannot be put in a list.")
+
+  def __hash__(self) -> int:
+    return hash((*(getattr(self, c) for c in CATEGORIES),
+                 tuple(sorted(self.conditional.items(), key=lambda kv: kv[0]))))
+
+  @property
+  def names(self) -> frozenset[str]:
+    """Every primitive name in some list (conditional included)."""
+    return frozenset().union(*(getattr(self, c) for c in CATEGORIES), self.conditional)
+
+  def category(self, name: str) -> str | None:
+    """The list holding ``name`` (``'conditional'`` for a rule), or None."""
+    for what in CATEGORIES:
+      if name in getattr(self, what):
+        return what
+    return "conditional" if name in self.conditional else None
+
+  def resolve(self, eqn: Any) -> str:
+    """The list that runs ``eqn`` (a ``jax.extend.core.JaxprEqn``): conditional rules
+    are applied, and a primitive in no list is ``'as_traced'``."""
+    name = eqn.primitive.name
+    rule = self.conditional.get(name)
+    if rule is None:
+      return self.category(name) or "as_traced"
+    what = rule(eqn)
+    if what not in CATEGORIES:
+      raise ValueError(f"The conditional rule for {name!r} returned {what!r}; "
+                       f"it must return one of {CATEGORIES}.")
+    return what
+
+  def add(self, *names: str, to: Union[str, Rule]) -> AutocastLists:
+    """A copy with ``names`` moved to the list ``to``, or made conditional on rule ``to``.
+
+    Args:
+      *names: primitive names (``jax.extend.core.Primitive.name``, e.g. ``'tanh'``).
+      to: one of :data:`CATEGORIES`, or a rule (a callable from the equation to one
+        of them).
+
+    Returns:
+      The edited copy; ``self`` is unchanged.
+    """
+    if isinstance(to, str) and to not in CATEGORIES:
+      raise ValueError(f"Unknown list {to!r}; the lists are {CATEGORIES}, or pass a rule "
+                       "(a callable) for a conditional entry.")
+    edited = self.remove(*names)
+    if isinstance(to, str):
+      return dataclasses.replace(edited, **{to: getattr(edited, to) | set(names)})
+    return dataclasses.replace(edited,
+                               conditional={**edited.conditional, **{n: to for n in names}})
+
+  def remove(self, *names: str) -> AutocastLists:
+    """A copy with ``names`` in no list (so they run at their traced dtypes)."""
+    drop = set(names)
+    return dataclasses.replace(
+        self,
+        **{what: getattr(self, what) - drop for what in CATEGORIES},
+        conditional={n: r for n, r in self.conditional.items() if n not in drop})
+
+
+DEFAULT_LISTS = AutocastLists()
+"""The default lists (``AutocastLists()``)."""
