@@ -100,18 +100,19 @@ _LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_g
 _FLOAT32 = frozenset({
     # exponentials, logarithms, powers (torch: exp, expm1, log*, pow, rsqrt)
     "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    "reciprocal",
     # trigonometric and hyperbolic functions torch keeps in float32, and their inverses
     "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
     # special functions
     "erf_inv", "erfc", "lgamma", "digamma", "polygamma", "igamma", "igammac",
-    "igamma_grad_a", "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
+    "igamma_grad_a", "zeta", "bessel_i0e", "bessel_i1e",
     "regularized_incomplete_beta", "random_gamma",
     # products and log-sum-exps (torch: prod, cumprod)
     "reduce_prod", "cumprod", "cumlogsumexp",
     # linear algebra and FFT: no half-precision kernels, and ill-conditioned in half
     "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
     "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "geqrf",
-    "geqp3", "orgqr", "fft",
+    "geqp3", "ormqr", "cholesky_update", "symmetric_product", "fft",
 })
 
 _WIDEST = frozenset({
@@ -127,9 +128,9 @@ _PASSTHROUGH = frozenset({
     # elementwise functions fine in half precision (torch leaves them alone too)
     "abs", "neg", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt", "tanh",
     "logistic", "sin", "cos", "atan", "erf", "real", "imag", "conj", "reduce_precision",
-    "convert_element_type", "stop_gradient", "copy", "copy_p",
+    "convert_element_type", "stop_gradient", "copy", "zeros_like",
     # layout and indexing
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "broadcast_in_dim", "broadcast_to", "reshape", "squeeze", "transpose", "rev", "slice",
     "dynamic_slice", "gather", "split", "tile", "unstack", "iota",
     # exact reductions, selections and sorts
     "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
@@ -140,13 +141,16 @@ _PASSTHROUGH = frozenset({
     "shift_right_logical", "population_count", "clz", "mulhi",
     # PRNG (keys and bits are never floating)
     "rng_bit_generator", "random_seed", "random_split", "random_fold_in", "random_bits",
-    "random_wrap", "random_unwrap", "threefry2x32", "lu_pivots_to_permutation",
+    "random_wrap", "random_unwrap", "random_clone", "threefry2x32", "threefry4x32",
+    "philox2x32", "philox4x32", "iota_2x32_shape", "lu_pivots_to_permutation",
     # collectives: each operand reduced or moved on its own
     "psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_gather", "all_to_all",
     "reduce_scatter", "pvary", "psum_invariant", "all_gather_invariant", "axis_index",
     # placement, naming and effects plumbing
-    "device_put", "sharding_constraint", "mesh_cast", "reshard", "optimization_barrier",
-    "name", "stage", "dce_sink", "create_token", "after_all",
+    "device_put", "sharding_constraint", "reshard", "layout_constraint", "inspect_sharding",
+    "with_memory_space_constraint", "optimization_barrier", "name", "stage", "dce_sink",
+    "create_token", "after_all", "platform_index", "shape_assertion", "dimension_size",
+    "dim_as_value",
 })
 
 _AS_TRACED = frozenset({
@@ -157,9 +161,12 @@ _AS_TRACED = frozenset({
     "bitcast_convert_type", "rng_uniform",
     # mutable references keep their dtype
     "get", "swap", "addupdate", "empty2",
-    # opaque: callbacks, kernels, internal linearization
-    "pure_callback", "io_callback", "debug_callback", "pallas_call", "custom_lin",
-    "linear_call",
+    # opaque: callbacks, kernels and fused calls typed when traced, internal linearization
+    "pure_callback", "io_callback", "debug_callback", "debug_print", "pallas_call",
+    "ffi_call", "cudnn_fusion", "composite", "custom_partitioning", "call_exported",
+    "dot_product_attention_fwd", "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+    "scaled_matmul_wrapper", "scaled_dot", "custom_lin", "linear_call",
 })
 
 
