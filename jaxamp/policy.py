@@ -282,8 +282,9 @@ def _fast_path_missing(policy: Policy) -> str | None:
   compute = policy.compute_dtype
   backend = jax.default_backend()
   if backend == "cpu" and compute == np.dtype(jnp.float16):
-    return ("XLA on CPU has no fast float16 path (and rejects float16 dots with float32 "
-            "accumulation); expect float16 to be slower than float32 here")
+    return ("XLA on CPU has no fast float16 path (and rejects some float16 dots with "
+            "float32 accumulation, e.g. in jax.nn.dot_product_attention); expect float16 to "
+            "be slower than float32 here")
   if backend == "gpu":
     cc = getattr(jax.devices()[0], "compute_capability", None)
     try:
