@@ -25,6 +25,8 @@ from jaxamp.policy import (
     set_global_policy,
 )
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
+from jaxamp.inference import convert_for_inference
+from jaxamp.summary import Summary, SummaryRow, summary
 from jaxamp.train import MasterWeightsState, TrainState, TrainStep, abstract_state, make_train_step
 from jaxamp.rules import (
     NORM_CLASSES,
@@ -73,6 +75,10 @@ __all__ = [
     "TrainStep",
     "abstract_state",
     "make_train_step",
+    "Summary",
+    "SummaryRow",
+    "convert_for_inference",
+    "summary",
     "AutocastLists",
     "OPT_LEVELS",
     "OptLevel",

@@ -1,0 +1,519 @@
+"""Per-module mixed precision for unmodified Flax Linen models.
+
+:func:`with_policy` wraps a Linen module so that every submodule runs under the policy
+:func:`jaxamp.resolve_policy` gives it: its class and path rules, else the policy of
+the module containing it, the top module taking the model-level policy. Nothing in the
+model changes, its layers keep ``dtype=None``, and user modules that read a parameter
+directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
+
+- its own parameters are read in its compute dtype. Stored parameters keep the param
+  dtype (float32 under ``mixed_*``); the cast happens inside ``apply``, so gradients
+  with respect to the stored parameters come back in the param dtype;
+- floating arguments are cast to the compute dtype and floating results to the output
+  dtype. Integers (token ids), booleans (masks), PRNG keys and anything not an array
+  pass through. Normalization layers compute in float32 and return the surrounding
+  compute dtype (the :func:`jaxamp.float32_compute` default rule);
+- mutable collections such as BatchNorm's ``batch_stats`` keep the dtype they had on
+  the way in; parameters and other state are never stored in a half dtype unless the
+  policy's param dtype says so. The exception is Flax's decoding ``cache`` (attention
+  with ``decode=True``): it holds keys and values in the compute dtype, and ``init``
+  stores it that way.
+
+How: ``flax.linen.intercept_methods`` sees every module method call, which is where
+arguments and results are cast. Parameters are read with ``self.param``, out of reach
+of an interceptor, so :meth:`LinenPolicy.apply` first learns which module owns which
+parameters, and its class, from an abstract pass (``jax.eval_shape``, cached per input
+shapes) and casts each module's own parameters to its compute dtype before the real
+call. Linen layers with ``dtype=None`` then compute in the half dtype, as their inputs
+and parameters agree (with float32 parameters they would promote back to float32).
+
+Lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``, ``nn.jit``, class or
+function form) run their body on a clone of the module; the clone is cast like the
+module, and the parameters under it are cast inside the transform (with
+``nn.map_variables``), so ``nn.remat`` recomputes those casts in the backward pass
+instead of keeping half-precision copies of the parameters alive. For ``nn.scan`` the
+carry must keep one dtype across iterations, so a lifted body returning a tuple whose
+first element mirrors its first argument (the carry) gives that element back in the
+dtypes the carry came in with.
+
+Policies are resolved when ``apply`` is traced: under ``jax.jit`` the rules and the
+global policy in force at the first trace stay baked into the compiled function.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import flax.linen as nn
+  >>> import jaxamp
+  >>> model = jaxamp.linen.with_policy(nn.Dense(4), 'mixed_bfloat16')
+  >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+  >>> variables['params']['kernel'].dtype
+  dtype('float32')
+  >>> model.apply(variables, jnp.ones((2, 3))).dtype
+  dtype(bfloat16)
+  >>> [(path, cls.__name__, p.name) for path, cls, p in
+  ...  jaxamp.linen.module_policies(nn.Dense(4), variables, jnp.ones((2, 3)),
+  ...                               policy='mixed_bfloat16')]
+  [('', 'Dense', 'mixed_bfloat16')]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple
+
+import flax.core
+import flax.linen as nn
+import jax
+from flax.core.scope import union_filters
+
+from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
+from jaxamp.rules import resolve_policy
+
+__all__ = ["LinenPolicy", "with_policy", "module_policies"]
+
+Path = tuple[str, ...]
+_PLAN_CACHE_SIZE = 64
+
+
+class _Plan(NamedTuple):
+  """What an abstract pass learns about a call.
+
+  Attributes:
+    modules: ``(path, class)`` of the module instance first run at each path, in order.
+    lifted: paths whose module runs as the body of a lifted transform.
+  """
+
+  modules: tuple[tuple[Path, type], ...]
+  lifted: frozenset[Path]
+
+
+# --- which modules run, and under which policy -------------------------------------------
+
+
+def _module_path(module: nn.Module) -> Path:
+  return tuple(str(p) for p in module.path)
+
+
+def _is_lifted_body(module: nn.Module) -> bool:
+  # Flax's lifted transforms run a clone of the module bound straight to a scope
+  # (its parent is that scope, not a module); only a top module is bound so otherwise.
+  return isinstance(module.parent, flax.core.Scope) and bool(module.path)
+
+
+def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[], _Plan]]:
+  """An interceptor noting each module that runs, and a function returning the plan."""
+  found: dict[Path, type] = {(): type(root)}
+  lifted: set[Path] = set()
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if module.scope is not None:
+      path = _module_path(module)
+      found.setdefault(path, type(module))
+      if _is_lifted_body(module):
+        lifted.add(path)
+    return next_fun(*args, **kwargs)
+
+  return intercept, lambda: _Plan(tuple(found.items()), frozenset(lifted))
+
+
+def _enclosing(policies: Mapping[Path, Policy], path: Path) -> Policy:
+  """The policy of the nearest module above ``path`` (the root is always there)."""
+  for n in range(len(path) - 1, -1, -1):
+    if path[:n] in policies:
+      return policies[path[:n]]
+  raise KeyError(path)  # unreachable: the root path () is always resolved
+
+
+def _resolve(plan: _Plan, model_policy: Policy) -> dict[Path, Policy]:
+  """Each module's policy, parents before children so the enclosing one is known."""
+  policies: dict[Path, Policy] = {}
+  for path, cls in sorted(plan.modules, key=lambda entry: len(entry[0])):
+    enclosing = model_policy if not path else _enclosing(policies, path)
+    policies[path] = resolve_policy(cls, path, enclosing)
+  return policies
+
+
+def _is_array_like(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
+  """Evaluates ``fn(*trees)`` abstractly and records the modules that run in it.
+
+  Array leaves (concrete, traced or ``jax.ShapeDtypeStruct``) become abstract
+  arguments; every other leaf (flags, method names) stays a static value.
+  """
+  leaves, treedef = jax.tree.flatten(trees)
+  arrays = [_is_array_like(x) for x in leaves]
+
+  def run(*dynamic):
+    it = iter(dynamic)
+    fn(*jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, arrays)]))
+
+  recorder, plan = _recording(root)
+  with nn.intercept_methods(recorder):
+    jax.eval_shape(run, *(x for x, a in zip(leaves, arrays) if a))
+  return plan()
+
+
+def _apply_plan(module: nn.Module, variables: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> _Plan:
+  """The plan of ``module.apply(variables, *args, **kwargs)``.
+
+  The abstract pass runs the module uncast, so a decoding ``cache`` held in a half
+  dtype would not take the float32 keys it computes: the pass leaves the cache out and
+  lets the module make a fresh one, as on the first decoding step.
+  """
+  if isinstance(variables, Mapping) and "cache" in variables:
+    variables = {k: v for k, v in variables.items() if k != "cache"}
+    kwargs = dict(kwargs, mutable=union_filters(kwargs.get("mutable", False), "cache"))
+  return _abstract_plan(lambda v, a, k: module.apply(v, *a, **k), module, variables, args,
+                        kwargs)
+
+
+# --- casting ---------------------------------------------------------------------------------
+
+
+def _cast_module_params(tree: Any, policies: Mapping[Path, Policy],
+                        dtype_of: Callable[[Policy], Any], path: Path = (),
+                        skip: frozenset[Path] = frozenset()) -> Any:
+  """Casts the leaves each module owns (those directly under its path) to its dtype.
+
+  ``tree`` holds one collection of the module at ``path``. Leaves of modules that are
+  not in ``policies`` (they did not run) are left alone, and so are the subtrees of
+  submodules in ``skip``. Mapping types (``dict``, ``FrozenDict``) are kept.
+  """
+  if not isinstance(tree, Mapping):
+    return tree
+  policy = policies.get(path)
+  out = {}
+  for key, value in tree.items():
+    sub = (*path, str(key))
+    if isinstance(value, Mapping):
+      out[key] = value if sub in skip else _cast_module_params(value, policies, dtype_of,
+                                                               sub, skip)
+    elif policy is not None:
+      out[key] = cast_floating(value, dtype_of(policy))
+    else:
+      out[key] = value
+  return flax.core.freeze(out) if isinstance(tree, flax.core.FrozenDict) else out
+
+
+def _cast_params(variables: Any, policies: Mapping[Path, Policy],
+                 dtype_of: Callable[[Policy], Any], path: Path = (),
+                 skip: frozenset[Path] = frozenset(), collection: str = "params") -> Any:
+  """``variables`` (collections of the module at ``path``) with ``collection`` cast."""
+  if not isinstance(variables, Mapping) or collection not in variables:
+    return variables
+  out = dict(variables)
+  out[collection] = _cast_module_params(variables[collection], policies, dtype_of, path,
+                                        skip)
+  return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
+
+
+def _compute_dtype(policy: Policy) -> Any:
+  return policy.compute_dtype
+
+
+def _cast_variables(variables: Any, policies: Mapping[Path, Policy],
+                    param_dtype: Callable[[Policy], Any],
+                    skip: frozenset[Path] = frozenset()) -> Any:
+  """Parameters to ``param_dtype`` and the decoding ``cache`` to the compute dtype.
+
+  ``cache`` is Flax's collection for autoregressive decoding (``decode=True``
+  attention): it stores keys and values the module computes, and updates it in place,
+  so it must have the module's compute dtype.
+  """
+  variables = _cast_params(variables, policies, param_dtype, skip=skip)
+  return _cast_params(variables, policies, _compute_dtype, skip=skip, collection="cache")
+
+
+def _cast_like(x: Any, like: Any) -> Any:
+  if is_floating_array(x) and is_floating_array(like) and x.dtype != like.dtype:
+    return x.astype(like.dtype)
+  return x
+
+
+def _restore(new: Any, passed: Any, old: Any) -> Any:
+  """The state a call returned, in the dtypes it came in with.
+
+  ``apply`` passed ``passed`` (``old`` with cast parameters) to the module, which
+  returned ``new``. A leaf the call did not change goes back to its ``old`` value (no
+  lossy round trip through the half dtype); other floating leaves take ``old``'s dtype;
+  leaves that are new (sown intermediates) stay as they are.
+  """
+  if isinstance(new, Mapping) and isinstance(old, Mapping):
+    passed = passed if isinstance(passed, Mapping) else {}
+    out = {k: _restore(v, passed.get(k), old[k]) if k in old else v for k, v in new.items()}
+    return flax.core.freeze(out) if isinstance(new, flax.core.FrozenDict) else out
+  return old if new is passed else _cast_like(new, old)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+  """Whether pytrees ``a`` and ``b`` have one structure and equal leaf shapes."""
+  a_leaves, a_def = jax.tree.flatten(a)
+  b_leaves, b_def = jax.tree.flatten(b)
+  return a_def == b_def and all(
+      getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(a_leaves, b_leaves))
+
+
+def _casting(policies: dict[Path, Policy], lifted: frozenset[Path]) -> Callable[..., Any]:
+  """The interceptor applying each module's policy to its arguments and results.
+
+  ``policies`` gains an entry for any module the abstract pass did not see. The
+  parameters of the bodies of lifted transforms (``lifted``) are cast here, inside the
+  transform, rather than before ``apply``: ``nn.remat`` then recomputes the cast in the
+  backward pass instead of keeping a half-precision copy of the parameters.
+  """
+  running: list[nn.Module] = []
+  mapping: set[Path] = set()  # lifted bodies whose parameters are being cast
+
+  def call(next_fun, module, path, context, args, kwargs):
+    if path not in lifted:
+      return next_fun(*args, **kwargs)
+    cast_in = lambda cols: _cast_params(cols, policies, _compute_dtype, path, lifted)
+    # InterceptorContext.orig_method is the method bound to the module: map_variables
+    # needs it unbound, to call it on the clone it binds to the cast parameters.
+    method = nn.map_variables(context.orig_method.func, "params", trans_in_fn=cast_in)
+    mapping.add(path)
+    try:
+      return method(module, *args, **kwargs)
+    finally:
+      mapping.discard(path)
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == "setup" or module.scope is None:
+      return next_fun(*args, **kwargs)
+    if running and running[-1] is module:
+      return next_fun(*args, **kwargs)  # a module calling its own method: already cast
+    path = _module_path(module)
+    if path in mapping:
+      return next_fun(*args, **kwargs)  # the clone map_variables runs: already cast
+    policy = policies.get(path)
+    if policy is None:  # not seen by the abstract pass (data-dependent structure)
+      policy = policies[path] = resolve_policy(type(module), path, _enclosing(policies, path))
+    compute = policy.compute_dtype
+    running.append(module)
+    try:
+      out = call(next_fun, module, path, context, cast_floating(args, compute),
+                 cast_floating(kwargs, compute))
+    finally:
+      running.pop()
+    if (args and _is_lifted_body(module) and type(out) is tuple and out
+        and _same_layout(out[0], args[0])):
+      # An nn.scan body: the carry goes back in the dtypes it came in with.
+      carry = jax.tree.map(_cast_like, out[0], args[0])
+      return (carry, *cast_floating(out[1:], policy.output_dtype))
+    return cast_floating(out, policy.output_dtype)
+
+  return intercept
+
+
+# --- plan cache keys ---------------------------------------------------------------------------
+
+
+class _Uncacheable(Exception):
+  pass
+
+
+def _leaf_key(x: Any) -> Hashable:
+  if _is_array_like(x):
+    return ("array", tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+  try:
+    hash(x)
+  except TypeError:
+    raise _Uncacheable() from None
+  return ("value", type(x), x)
+
+
+def _signature(*trees: Any) -> Hashable | None:
+  """A hashable key for the shapes, dtypes and static values of ``trees``, or None."""
+  leaves, treedef = jax.tree.flatten(trees)
+  try:
+    return treedef, tuple(_leaf_key(x) for x in leaves)
+  except _Uncacheable:
+    return None
+
+
+# --- the wrapper ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class LinenPolicy:
+  """A Linen module whose submodules each run under their resolved policy.
+
+  Made by :func:`with_policy`. ``init`` and ``apply`` take and return what the module's
+  own ``init`` and ``apply`` do.
+
+  Attributes:
+    module: the wrapped Linen module, unchanged.
+    policy: the model-level policy; None means :func:`jaxamp.global_policy` at call
+      (trace) time.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import jaxamp
+    >>> model = jaxamp.linen.with_policy(nn.BatchNorm(use_running_average=False))
+    >>> x = jnp.ones((4, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> with jaxamp.policy_scope('mixed_bfloat16'):
+    ...   y, state = model.apply(variables, x, mutable=['batch_stats'])
+    >>> y.dtype, state['batch_stats']['mean'].dtype
+    (dtype(bfloat16), dtype('float32'))
+  """
+
+  module: nn.Module
+  policy: Policy | None = None
+  _plans: collections.OrderedDict = dataclasses.field(
+      default_factory=collections.OrderedDict, repr=False)
+
+  def model_policy(self) -> Policy:
+    """The model-level policy now in force."""
+    return global_policy() if self.policy is None else self.policy
+
+  def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    """Like ``module.init``; parameters come back in each module's param dtype.
+
+    The forward pass run by ``init`` is the module's own, uncast: only shapes come out
+    of it, and parameters whose initializer follows the input dtype start in float32.
+
+    Args:
+      rngs: a PRNG key or a dict of them, as for ``module.init``.
+      *args: the module's arguments.
+      **kwargs: its keyword arguments and ``init``'s (``method``, ``mutable``, ...).
+
+    Returns:
+      The variables, with ``params`` in the param dtype of the module owning them and
+      the decoding ``cache`` in its compute dtype.
+    """
+    recorder, plan = _recording(self.module)
+    with nn.intercept_methods(recorder):
+      variables = self.module.init(rngs, *args, **kwargs)
+    return _cast_variables(variables, _resolve(plan(), self.model_policy()),
+                           lambda p: p.param_dtype)
+
+  def apply(self, variables: Any, *args: Any, rngs: Any = None,
+            method: Callable[..., Any] | str | None = None, mutable: Any = False,
+            **kwargs: Any) -> Any:
+    """Like ``module.apply``, with every submodule under its resolved policy.
+
+    Args:
+      variables: the variables, as ``init`` returns them.
+      *args: the method's arguments.
+      rngs: PRNG keys for the call (``{'dropout': key}``), as for ``module.apply``.
+      method: the method to call (name or function); ``__call__`` by default.
+      mutable: the collections the call may update, as for ``module.apply``.
+      **kwargs: the method's keyword arguments.
+
+    Returns:
+      The output, or ``(output, updated_state)`` when ``mutable`` is set, as Linen
+      does. Updated floating state keeps the dtype it was passed in with.
+    """
+    plan = self._plan(variables, args, dict(kwargs, rngs=rngs, method=method, mutable=mutable))
+    policies = _resolve(plan, self.model_policy())
+    cast = _cast_variables(variables, policies, _compute_dtype, skip=plan.lifted)
+    with nn.intercept_methods(_casting(policies, plan.lifted)):
+      result = self.module.apply(cast, *args, rngs=rngs, method=method, mutable=mutable,
+                                 **kwargs)
+    if mutable is False:
+      return result
+    out, state = result
+    return out, _restore(state, cast, variables)
+
+  def _plan(self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
+    """:func:`_apply_plan`, cached per input signature."""
+    key = _signature(variables, args, kwargs)
+    if key is not None and key in self._plans:
+      self._plans.move_to_end(key)
+      return self._plans[key]
+    plan = _apply_plan(self.module, variables, args, kwargs)
+    if key is not None:
+      self._plans[key] = plan
+      if len(self._plans) > _PLAN_CACHE_SIZE:
+        self._plans.popitem(last=False)
+    return plan
+
+
+def with_policy(module: nn.Module, policy: PolicyLike | None = None) -> LinenPolicy:
+  """Wraps an unmodified Linen ``module`` to run each submodule under its policy.
+
+  Args:
+    module: any Linen module; its layers may keep ``dtype=None``.
+    policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts), or
+      None for :func:`jaxamp.global_policy` at call time. Rules set with
+      :func:`jaxamp.set_policy` / :func:`jaxamp.policy_rules` refine it per module.
+
+  Returns:
+    A :class:`LinenPolicy` with Linen's ``init(rngs, *args, **kwargs)`` and
+    ``apply(variables, *args, rngs=None, method=None, mutable=False, **kwargs)``.
+    Create it once and reuse it: it caches what it learns about the model per input
+    shapes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import jaxamp
+    >>> class Model(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(2)(nn.LayerNorm()(nn.Dense(4)(x)))
+    >>> model = jaxamp.linen.with_policy(Model(), 'mixed_float16')
+    >>> x = jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> grads = jax.grad(lambda v: model.apply(v, x).sum())(variables)
+    >>> grads['params']['Dense_0']['kernel'].dtype, model.apply(variables, x).dtype
+    (dtype('float32'), dtype('float16'))
+  """
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"jaxamp.linen.with_policy wraps a flax.linen.Module, got "
+                    f"{type(module).__name__}; for an NNX module use jaxamp.nnx.with_policy.")
+  return LinenPolicy(module, None if policy is None else get_policy(policy))
+
+
+def module_policies(module: nn.Module, variables: Any, *args: Any,
+                    policy: PolicyLike | None = None,
+                    **kwargs: Any) -> list[tuple[str, type, Policy]]:
+  """The modules that run for these inputs, each with its resolved policy.
+
+  Nothing is computed: the call is evaluated abstractly.
+
+  Args:
+    module: a Linen module.
+    variables: its variables, to inspect ``apply``; or None to inspect ``init``
+      (``kwargs`` may then hold ``rngs``, else ``jax.random.key(0)`` is used).
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+    policy: the model-level policy; None for :func:`jaxamp.global_policy`.
+    **kwargs: passed to ``apply`` (``method``, ``mutable``, ``rngs`` ...) or ``init``.
+
+  Returns:
+    ``(path, class, policy)`` for each module that runs, one entry per path (a module
+    called twice, or the clone a lifted transform runs, counts once), in the order they
+    first run; paths are ``'/'``-joined and the top module's is ``''``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import jaxamp
+    >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+    >>> x = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    >>> for path, cls, p in jaxamp.linen.module_policies(model, None, x,
+    ...                                                  policy='mixed_float16'):
+    ...   print(repr(path), cls.__name__, p.name)
+    '' Sequential mixed_float16
+    'layers_0' Dense mixed_float16
+    'layers_1' LayerNorm params=float32,compute=float32,output=float16
+  """
+  model_policy = global_policy() if policy is None else get_policy(policy)
+  if variables is None:
+    rngs = kwargs.pop("rngs", None)
+    rngs = jax.random.key(0) if rngs is None else rngs
+    plan = _abstract_plan(lambda r, a, k: module.init(r, *a, **k), module, rngs, args, kwargs)
+  else:
+    plan = _apply_plan(module, variables, args, kwargs)
+  policies = _resolve(plan, model_policy)
+  return [("/".join(path), cls, policies[path]) for path, cls in plan.modules]

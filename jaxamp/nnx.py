@@ -1,0 +1,702 @@
+"""Per-module mixed-precision policies for unmodified Flax NNX models.
+
+:func:`with_policy` returns a :class:`PolicyModule` to call in place of a model. It
+holds the same Variables (an update through one is seen by the other) and calling it
+runs every submodule under its resolved policy (:func:`jaxamp.resolve_policy`: path
+rules, then class rules, then the enclosing module's policy; the model itself takes
+the model-level policy). Inside a module whose compute dtype is ``c``:
+
+- floating positional and keyword arguments are cast to ``c``; integers (token ids),
+  booleans (masks), PRNG keys, ``nnx.Rngs`` and other graph nodes pass untouched;
+- the module's own floating ``nnx.Param`` s (attributes it holds directly, also inside
+  ``nnx.List``/``nnx.Dict``/plain containers, not those of its submodules) read as
+  ``c``: ``x @ self.w[...]`` in a module you wrote computes in ``c``. The stored
+  values never change dtype, so gradients come back in the stored (param) dtype;
+- a ``dtype`` attribute (``None`` or floating, as every Flax layer has) reads ``c``:
+  this is what makes ``nnx.Embed``, ``nnx.MultiHeadAttention`` and its projections,
+  whose ``dtype`` was fixed at construction, compute in ``c``;
+- floating outputs are cast to the policy's output dtype;
+- every floating Variable keeps its stored dtype (an in-call update written in another
+  dtype is cast back): BatchNorm's ``BatchStat`` stays float32 and, computed in float32
+  by default, is updated in float32; an attention decoding ``nnx.Cache`` is read in
+  ``c`` like a parameter and stays in the dtype ``init_cache`` gave it.
+
+Some built-in layers get targeted treatment:
+
+- ``nnx.Embed.__call__`` is a gather, not a matmul: it looks rows up in the stored
+  dtype and casts only the rows (the same values; no cast of the whole table, and the
+  table's gradient is accumulated in float32). ``Embed.attend`` is a matmul and reads
+  the table in ``c``.
+- ``nnx.MultiHeadAttention`` with its default ``attention_fn`` and a half ``c`` uses
+  :func:`half_dot_product_attention`: float32 logits and softmax as in
+  ``jax.nn.dot_product_attention``, but without the ``F16_F16_F32`` dot algorithm XLA
+  on CPU rejects, and with half-precision operands in the backward matmuls too.
+- ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm`` and ``nnx.BatchNorm`` that
+  compute wider than their inputs (the float32 default inside a half model) run under
+  ``jax.checkpoint``: reverse mode keeps their half-precision input instead of float32
+  intermediates and recomputes the norm in the backward pass
+  (``with_policy(..., recompute_norms=False)`` turns this off).
+
+How: NNX has no method interceptor, so while the wrapper runs, each module instance of
+the graph is given a cached policy-aware subclass of its class (``__call__`` and the
+methods of :data:`POLICY_METHODS` wrapped) and its resolved policy as a static
+attribute; both are restored when the call returns. Modules that NNX transforms
+re-create inside the call (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) carry both with
+them, because both are part of the graph definition. Params are cast on read through
+the Variable ``on_get_value`` hook, so transforms see float32 state.
+
+Limits: policies and rules are read when the call is traced: under ``jax.jit`` or
+``nnx.jit`` a function traced once keeps them (with ``policy=None``, the global policy
+of that moment) until it is traced again. Modules constructed during the call run
+unmodified. A model must not be called from two threads while a wrapped call of it
+runs (its instances are shared). Variables made with ``hijax=True`` are not cast on
+read (the ``dtype`` attribute still covers the built-in layers).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import jaxamp
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu,
+  ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+  >>> amp = jaxamp.nnx.with_policy(model, 'mixed_bfloat16')
+  >>> amp(jnp.ones((3, 4))).dtype, model.layers[0].kernel.dtype
+  (dtype(bfloat16), dtype('float32'))
+  >>> [(path, p.name) for path, _, p in jaxamp.nnx.module_policies(amp)][-1]
+  ('', 'mixed_bfloat16')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
+from jaxamp.rules import resolve_policy
+
+__all__ = [
+    "POLICY_METHODS",
+    "PolicyModule",
+    "half_dot_product_attention",
+    "module_policies",
+    "with_policy",
+]
+
+# Methods that run under the module's policy, by class (subclasses included). Add your
+# own entry points, e.g. POLICY_METHODS[MyModel] = ('encode',); calls after the edit see it.
+POLICY_METHODS: dict[type, tuple[str, ...]] = {
+    nnx.Module: ("__call__",),
+    nnx.Embed: ("attend",),
+}
+
+_POLICY_ATTR = "_jaxamp_policy"
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_MISSING = object()
+
+
+class _Call(NamedTuple):
+  """One running wrapper call: its model-level policy and options."""
+
+  policy: Policy
+  recompute_norms: bool
+
+
+class _ThreadState(threading.local):
+  """Per-thread call state: NNX graphs are shared objects, the running calls are not."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls: list[_Call] = []  # the wrapper calls running, innermost last
+    self.stack: list[Policy] = []  # policy of each module call running
+    self.running: set[int] = set()  # ids of modules whose wrapped method is running
+
+
+_state = _ThreadState()
+
+
+# --- policy resolution -----------------------------------------------------------------
+
+
+def _base_class(cls: type) -> type:
+  """The user's class behind a policy-aware subclass."""
+  return cls.__dict__.get("_jaxamp_base", cls)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], Any, Policy]]:
+  """(path, module, policy) for every module of ``model``, in ``nnx.iter_graph`` order."""
+  modules = [(path, node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Module)]
+  resolved: dict[tuple[Any, ...], Policy] = {}
+  for path, node in sorted(modules, key=lambda item: len(item[0])):  # parents first
+    if path:
+      parent = path[:-1]
+      while parent not in resolved:  # skip containers such as nnx.List
+        parent = parent[:-1]
+      enclosing = resolved[parent]
+    else:
+      enclosing = policy
+    resolved[path] = resolve_policy(_base_class(type(node)), path, enclosing)
+  return [(path, node, resolved[path]) for path, node in modules]
+
+
+def module_policies(model: nnx.Module, policy: PolicyLike | None = None
+                    ) -> list[tuple[str, type, Policy]]:
+  """The policy every module of ``model`` runs under.
+
+  Args:
+    model: an NNX module, or a :class:`PolicyModule` (its model and policy are used).
+    policy: the model-level policy; None means the wrapper's policy, else
+      :func:`jaxamp.global_policy`.
+
+  Returns:
+    ``(path, class, policy)`` for every module, in ``nnx.iter_graph`` order (children
+    before parents); paths are ``'/'``-joined and the model's own is ``''``.
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=rngs), nnx.LayerNorm(2, rngs=rngs))
+    >>> for path, cls, p in jaxamp.nnx.module_policies(model, 'mixed_float16'):
+    ...   print(repr(path), cls.__name__, p.name)
+    'layers/0' Linear mixed_float16
+    'layers/1' LayerNorm params=float32,compute=float32,output=float16
+    'layers' List mixed_float16
+    '' Sequential mixed_float16
+  """
+  if isinstance(model, PolicyModule):
+    if policy is None:
+      policy = model.policy
+    model = model.module
+  root = global_policy() if policy is None else get_policy(policy)
+  return [(_path_str(path), _base_class(type(node)), p)
+          for path, node, p in _resolve(model, root)]
+
+
+# --- the policy-aware subclasses -------------------------------------------------------
+
+
+def _methods_for(cls: type) -> tuple[str, ...]:
+  names: list[str] = []
+  for klass in cls.__mro__:
+    for name in POLICY_METHODS.get(klass, ()):
+      # Look in the class dicts: getattr(cls, '__call__') finds the metaclass's.
+      if name not in names and any(name in vars(k) for k in cls.__mro__):
+        names.append(name)
+  return tuple(names)
+
+
+_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+_classes_lock = threading.Lock()
+
+
+def _policy_class(cls: type) -> type:
+  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
+  key = (cls, _methods_for(cls))
+  with _classes_lock:
+    sub = _classes.get(key)
+    if sub is None:
+      namespace: dict[str, Any] = {
+          "__module__": cls.__module__,
+          "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__,
+          "_jaxamp_base": cls,
+      }
+      for name in key[1]:
+        namespace[name] = _policy_method(getattr(cls, name))
+      # Flax registers every Pytree subclass as a graph node (and pytree) type.
+      sub = type(cls)(cls.__name__, (cls,), namespace, pytree=cls._pytree__is_pytree)
+      _classes[key] = sub
+  return sub
+
+
+def _policy_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(fn)
+  def method(self, *args, **kwargs):
+    policy = _policy_for(self)
+    if policy is None:
+      return fn(self, *args, **kwargs)
+    return _run_under(self, fn, policy, args, kwargs)
+
+  return method
+
+
+def _policy_for(module: Any) -> Policy | None:
+  """The policy ``module`` runs under now, or None to run it unchanged."""
+  if not _state.calls or id(module) in _state.running:
+    # No wrapped call in this thread, or a re-entrant call (a method calling another
+    # policy method of the same module): run as is, the policy is already applied.
+    return None
+  policy = vars(module).get(_POLICY_ATTR)
+  if policy is None:  # not seen by the wrapper: inherit the innermost module's policy
+    enclosing = _state.stack[-1] if _state.stack else _state.calls[-1].policy
+    policy = resolve_policy(_base_class(type(module)), "", enclosing)
+  return policy
+
+
+# --- running one module method under a policy ------------------------------------------
+
+
+def _is_node(x: Any) -> bool:
+  return isinstance(x, (nnx.Variable, nnx.Pytree))
+
+
+def _cast_values(tree: Any, dtype: np.dtype) -> Any:
+  """Casts floating arrays in ``tree``; Variables, Rngs and modules pass untouched."""
+  return jax.tree.map(lambda x: x if _is_node(x) else cast_floating(x, dtype), tree,
+                      is_leaf=_is_node)
+
+
+# Variables read in the compute dtype: parameters, and attention's decoding cache (which
+# is updated with computed keys and values; it keeps its stored dtype).
+_READ_AS_COMPUTE = (nnx.Param, nnx.Cache)
+
+# Modules that only hold things: a Param in a module's nnx.List is that module's.
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+
+def _owned_variables(module: nnx.Module) -> list[nnx.Variable]:
+  """The Variables ``module`` holds itself: not through a submodule."""
+  found: dict[int, nnx.Variable] = {}
+
+  def visit(x: Any) -> None:
+    if isinstance(x, nnx.Variable):
+      found.setdefault(id(x), x)
+    elif isinstance(x, nnx.Module) and not isinstance(x, _CONTAINERS):
+      return
+    elif isinstance(x, nnx.Pytree):  # nnx.List, nnx.Dict, nnx.Rngs, ...
+      for name, value in vars(x).items():
+        if not name.startswith("_pytree__"):
+          visit(value)
+    elif isinstance(x, (list, tuple)):
+      for value in x:
+        visit(value)
+    elif isinstance(x, dict):
+      for value in x.values():
+        visit(value)
+
+  for name, value in vars(module).items():
+    if not name.startswith("_pytree__"):
+      visit(value)
+  return list(found.values())
+
+
+_hooks: dict[np.dtype, Callable[[Any, Any], Any]] = {}
+
+
+def _cast_hook(dtype: np.dtype) -> Callable[[Any, Any], Any]:
+  """An ``on_get_value`` hook reading a Variable as ``dtype``; one per dtype, so graph
+  definitions that carry it compare equal across calls (jit caches stay warm)."""
+  hook = _hooks.get(dtype)
+  if hook is None:
+    def hook(variable, value, dtype=dtype):
+      del variable
+      return cast_floating(value, dtype)
+    hook.__name__ = hook.__qualname__ = f"jaxamp_read_as_{dtype.name}"
+    hook = _hooks.setdefault(dtype, hook)
+  return hook
+
+
+def _stored_value(variable: nnx.Variable) -> Any:
+  return variable.get_raw_value()
+
+
+def _metadata(variable: nnx.Variable) -> dict[str, Any] | None:
+  meta = getattr(variable, "_var_metadata", None)  # plain (not hijax) Variables
+  return meta if isinstance(meta, dict) else None
+
+
+def _float_dtype(value: Any) -> np.dtype | None:
+  """The dtype of a floating array or ``jax.Ref`` (Variables made with ``ref=True``)."""
+  if is_floating_array(value) or (isinstance(value, jax.Ref)
+                                  and jnp.issubdtype(value.dtype, jnp.floating)):
+    return np.dtype(value.dtype)
+  return None
+
+
+def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], None]]) -> None:
+  """Makes ``variable`` read as ``dtype`` until ``undo`` runs; its stored value stays."""
+  meta = _metadata(variable)
+  stored = _float_dtype(_stored_value(variable))
+  if meta is None or stored is None or stored == dtype:
+    return
+  previous = meta.get("on_get_value", _MISSING)
+  hooks = () if previous is _MISSING else (
+      previous if isinstance(previous, tuple) else (previous,))
+  meta["on_get_value"] = hooks + (_cast_hook(dtype),)
+
+  def restore() -> None:
+    # NNX transforms may have replaced the metadata dict: restore on the current one.
+    current = _metadata(variable)
+    if current is None:
+      return
+    if previous is _MISSING:
+      current.pop("on_get_value", None)
+    else:
+      current["on_get_value"] = previous
+
+  undo.append(restore)
+
+
+def _keep_dtype(variable: nnx.Variable, undo: list[Callable[[], None]]) -> None:
+  """Casts an in-call update of ``variable`` back to its stored dtype."""
+  value = _stored_value(variable)
+  if _metadata(variable) is None or not is_floating_array(value):
+    return
+  dtype = value.dtype
+
+  def restore() -> None:
+    new = _stored_value(variable)
+    if is_floating_array(new) and new.dtype != dtype:
+      object.__setattr__(variable, "_raw_value", new.astype(dtype))
+
+  undo.append(restore)
+
+
+def _set_attr(module: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
+  old = vars(module)[name]
+  object.__setattr__(module, name, value)  # no NNX trace-level check: undone below
+  undo.append(lambda: object.__setattr__(module, name, old))
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+  try:
+    return jnp.issubdtype(np.dtype(dtype), jnp.floating)
+  except TypeError:
+    return False
+
+
+# Norms, recomputed in the backward pass when they compute wider than their inputs:
+# reverse mode then keeps their half-precision input, not float32 intermediates.
+_RECOMPUTED = frozenset({nnx.LayerNorm.__call__, nnx.RMSNorm.__call__, nnx.GroupNorm.__call__,
+                         nnx.BatchNorm.__call__})
+
+
+def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
+  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
+  return any(is_floating_array(x) and x.dtype.itemsize < compute.itemsize for x in leaves)
+
+
+def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """``fn(module, *args, **kwargs)`` under ``jax.checkpoint``, the cast to ``compute``
+  inside it, so that reverse mode saves the narrower inputs rather than what ``fn``
+  computes from them.
+
+  The module runs as a copy merged inside the checkpoint; the Variables it updates
+  (BatchNorm's statistics) are written back to ``module`` afterwards, through the
+  usual NNX checks. Unchanged ones are not touched, so a model closed over by
+  ``jax.jit`` runs as it would without recomputation.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+  where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+  graphdef, params, others = nnx.split(module, nnx.Param, ...)
+  updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
+
+  def run(params, others, arrays):
+    copy = nnx.merge(graphdef, params, others, copy=True)
+    before = {path: v.get_raw_value()
+              for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
+    full = list(leaves)
+    for i, x in zip(where, arrays):
+      full[i] = x
+    a, k = jax.tree.unflatten(treedef, full)
+    out = fn(copy, *_cast_values(a, compute), **_cast_values(k, compute))
+    after = nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))
+    new = [(path, v.get_raw_value()) for path, v in after
+           if path in before and v.get_raw_value() is not before[path]]
+    updated[:] = [path for path, _ in new]
+    return out, [value for _, value in new]
+
+  out, values = jax.checkpoint(run)(params, others, [leaves[i] for i in where])
+  variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
+  for path, value in zip(updated, values):
+    variables[path].set_raw_value(value)
+  return out
+
+
+def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  compute = policy.compute_dtype
+  undo: list[Callable[[], None]] = []
+  gather = fn is nnx.Embed.__call__  # a lookup: keep the table, cast the rows
+  _state.running.add(id(module))
+  _state.stack.append(policy)
+  try:
+    for variable in _owned_variables(module):
+      _keep_dtype(variable, undo)
+      if not gather and isinstance(variable, _READ_AS_COMPUTE):
+        _read_as(variable, compute, undo)
+    attrs = vars(module)
+    if "dtype" in attrs and (attrs["dtype"] is None or _is_float_dtype(attrs["dtype"])):
+      # A gather looks rows up in the stored dtype: None makes Embed skip its cast.
+      _set_attr(module, "dtype", None if gather else compute, undo)
+    if attrs.get("attention_fn") is nnx.dot_product_attention and compute in _HALF:
+      _set_attr(module, "attention_fn", half_dot_product_attention, undo)
+    if fn in _RECOMPUTED and _state.calls[-1].recompute_norms and _widens(args, kwargs,
+                                                                           compute):
+      out = _recomputed(module, fn, compute, args, kwargs)
+    else:
+      out = fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
+  finally:
+    for step in reversed(undo):
+      step()
+    _state.stack.pop()
+    _state.running.discard(id(module))
+  return _cast_values(out, policy.output_dtype)
+
+
+# --- the wrapper -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
+  """Gives every module of ``model`` its policy-aware class and resolved policy."""
+  saved = []
+  pushed = False
+  try:
+    for _, node, node_policy in _resolve(model, call.policy):
+      saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING)))
+      # A nested wrapper resolves its own model; containers have no method to wrap.
+      if not isinstance(node, PolicyModule) and _methods_for(_base_class(type(node))):
+        object.__setattr__(node, "__class__", _policy_class(_base_class(type(node))))
+      object.__setattr__(node, _POLICY_ATTR, node_policy)
+    _state.calls.append(call)
+    pushed = True
+    yield
+  finally:
+    if pushed:
+      _state.calls.pop()
+    for node, cls, old in reversed(saved):
+      object.__setattr__(node, "__class__", cls)
+      if old is _MISSING:
+        vars(node).pop(_POLICY_ATTR, None)
+      else:
+        object.__setattr__(node, _POLICY_ATTR, old)
+
+
+class PolicyModule(nnx.Module):
+  """Runs ``module`` with every submodule under its resolved policy.
+
+  It holds ``module`` itself (not a copy), so ``nnx.split``, ``nnx.jit``, ``nnx.grad``
+  and ``nnx.Optimizer`` accept it and its Variables are the model's. Calling it, or
+  any public method of ``module`` through it (``amp.generate(...)``), runs under the
+  policy; rule paths are relative to ``module``. Make it with :func:`with_policy`.
+
+  Attributes:
+    module: the wrapped model.
+    policy: the model-level policy, or None for :func:`jaxamp.global_policy` at call
+      time (under ``jax.jit``, at trace time).
+    recompute_norms: whether LayerNorm, RMSNorm and GroupNorm that compute wider than
+      their inputs are recomputed in the backward pass.
+  """
+
+  def __init__(self, module: nnx.Module, policy: PolicyLike | None = None, *,
+               recompute_norms: bool = True):
+    if not isinstance(module, nnx.Module):
+      raise TypeError(f"with_policy expects a flax.nnx.Module, got {type(module).__name__}; "
+                      "for Linen modules use jaxamp.linen.with_policy.")
+    self.module = module
+    self.policy = None if policy is None else get_policy(policy)
+    self.recompute_norms = bool(recompute_norms)
+
+  def _model_policy(self) -> Policy:
+    if self.policy is not None:
+      return self.policy
+    enclosing = vars(self).get(_POLICY_ATTR)  # set when this wrapper is itself wrapped
+    return enclosing if enclosing is not None else global_policy()
+
+  def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    model = self.module
+    with _applied(model, _Call(self._model_policy(), self.recompute_norms)):
+      if name in _methods_for(_base_class(type(model))):
+        return getattr(model, name)(*args, **kwargs)
+      # Another public method: it runs under the model's own policy too.
+      fn = getattr(_base_class(type(model)), name)
+      return _run_under(model, fn, vars(model)[_POLICY_ATTR], args, kwargs)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._call("__call__", *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names PolicyModule lacks: forward them to the model.
+    model = vars(self).get("module")
+    if model is None or name.startswith("_"):
+      raise AttributeError(name)
+    value = getattr(model, name)
+    if inspect.ismethod(value) and value.__self__ is model:
+      return functools.partial(self._call, name)
+    return value
+
+
+def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
+                recompute_norms: bool = True) -> PolicyModule:
+  """Returns ``model`` wrapped to run every submodule under its resolved policy.
+
+  Args:
+    model: an ``nnx.Module``, unmodified.
+    policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts); None
+      means :func:`jaxamp.global_policy` at call time.
+    recompute_norms: recompute ``nnx.LayerNorm``, ``nnx.RMSNorm`` and
+      ``nnx.GroupNorm`` in the backward pass when they compute wider than their inputs
+      (the float32 default inside a half-precision model), so reverse mode keeps their
+      half-precision inputs instead of float32 intermediates. Costs a few elementwise
+      ops, saves activation memory; forward results are the same either way.
+
+  Returns:
+    A :class:`PolicyModule` sharing ``model``'s Variables: call it instead of ``model``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    >>> amp = jaxamp.nnx.with_policy(model)  # follows the global policy
+    >>> with jaxamp.policy_scope('mixed_bfloat16'):
+    ...   amp(jnp.ones((1, 4))).dtype
+    dtype(bfloat16)
+    >>> amp(jnp.ones((1, 4))).dtype
+    dtype('float32')
+  """
+  return PolicyModule(model, policy, recompute_norms=recompute_norms)
+
+
+# --- attention with half-precision operands in both passes ------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scores(query, key, precision):
+  """Float32 logits ``[..., K, G, T, S]`` of ``query [..., T, K, G, D]`` and
+  ``key [..., S, K, D]`` (K key/value heads, G query heads per key/value head)."""
+  return jnp.einsum("...tkgd,...skd->...kgts", query, key, precision=precision,
+                    preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(query, key, precision):
+  return _scores(query, key, precision), (query, key)
+
+
+def _scores_bwd(precision, residuals, grad):
+  # The float32 cotangent is rounded to the operands' dtype first, so the two
+  # backward matmuls run on half-precision operands too (as for any half matmul).
+  query, key = residuals
+  grad = grad.astype(query.dtype)
+  d_query = jnp.einsum("...kgts,...skd->...tkgd", grad, key, precision=precision)
+  d_key = jnp.einsum("...kgts,...tkgd->...skd", grad, query, precision=precision)
+  return d_query.astype(query.dtype), d_key.astype(key.dtype)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(logits, keep, dtype):
+  """``softmax(where(keep, logits, -inf))`` over the last axis in float32, cast to ``dtype``."""
+  if keep is not None:
+    logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
+  return jax.nn.softmax(logits, axis=-1).astype(dtype)
+
+
+def _softmax_fwd(logits, keep, dtype):
+  probs = _softmax(logits, keep, dtype)
+  return probs, (probs, keep)
+
+
+def _softmax_bwd(dtype, residuals, grad):
+  # The backward pass needs the probabilities, which the second matmul keeps anyway
+  # in ``dtype``: reuse them rather than also saving them in float32.
+  del dtype
+  probs, keep = residuals
+  probs = probs.astype(jnp.float32)
+  grad = grad.astype(jnp.float32)
+  d_logits = probs * (grad - jnp.sum(grad * probs, axis=-1, keepdims=True))
+  if keep is not None:
+    d_logits = jnp.where(keep, d_logits, 0.0)
+  return d_logits, None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def _by_group(x, groups: int):
+  """``[..., H, T, S]`` masks and biases to the grouped ``[..., K, G, T, S]`` layout."""
+  if x.ndim < 3:
+    return x
+  if x.shape[-3] == 1:
+    return x[..., None, :, :]
+  return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:])
+
+
+def half_dot_product_attention(query, key, value, bias=None, mask=None,
+                               broadcast_dropout: bool = True, dropout_rng=None,
+                               dropout_rate: float = 0.0, deterministic: bool = False,
+                               dtype=None, precision=None, module=None,
+                               is_causal: bool = False, **kwargs):
+  """Dot-product attention whose matmuls take ``dtype`` operands forward and backward.
+
+  A drop-in ``attention_fn`` for ``nnx.MultiHeadAttention`` (same arguments and
+  semantics as ``nnx.dot_product_attention``, grouped-query attention included):
+  logits are accumulated and returned in float32 and the softmax runs in float32, as
+  in ``jax.nn.dot_product_attention``; the probabilities are cast to ``dtype`` for the
+  second matmul. Unlike ``jax.nn.dot_product_attention`` it asks for no
+  ``F16_F16_F32``/``BF16_BF16_F32`` dot algorithm (XLA on CPU rejects the float16
+  one) and the logits' gradient is rounded to ``dtype`` before the backward matmuls,
+  so those run in half precision too. :func:`with_policy` uses it for
+  ``nnx.MultiHeadAttention`` layers that keep the default ``attention_fn`` and compute
+  in float16 or bfloat16.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.nnx import half_dot_product_attention
+    >>> q = jnp.ones((2, 5, 4, 8), jnp.float16)  # [batch, length, heads, head_dim]
+    >>> half_dot_product_attention(q, q, q).dtype
+    dtype('float16')
+  """
+  del kwargs  # promote_dtype: the inputs are cast to ``dtype`` here
+  dtype = query.dtype if dtype is None else dtype
+  query, key, value = (jnp.asarray(t, dtype) for t in (query, key, value))
+  heads, kv_heads = query.shape[-2], key.shape[-2]
+  if heads % kv_heads:
+    raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads "
+                     f"({kv_heads}).")
+  groups = heads // kv_heads
+  *batch, length, _, depth = query.shape
+  query = query / jnp.sqrt(depth).astype(dtype)
+  query = query.reshape(*batch, length, kv_heads, groups, depth)
+  logits = _scores(query, key, precision)  # [..., K, G, T, S] float32
+  if bias is not None:
+    logits = logits + _by_group(jnp.asarray(bias, jnp.float32), groups)
+  keep = None if mask is None else _by_group(jnp.asarray(mask, bool), groups)
+  if is_causal:
+    causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    keep = causal if keep is None else jnp.logical_and(keep, causal)
+  weights = _softmax(logits, keep, np.dtype(dtype))  # [..., K, G, T, S]
+  dropout = not deterministic and dropout_rate > 0.0
+  if module is not None or dropout:
+    # Reshaped only when needed: the backward pass would keep both layouts.
+    weights = weights.reshape(weights.shape[:-4] + (heads,) + weights.shape[-2:])
+    if module is not None:
+      module.sow(nnx.Intermediate, "attention_weights", weights)
+    if dropout:  # as nnx.dot_product_attention_weights does
+      keep_prob = 1.0 - dropout_rate
+      shape = ((1,) * (key.ndim - 2) + weights.shape[-2:] if broadcast_dropout
+               else weights.shape)
+      kept = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+      weights = weights * (kept.astype(dtype) / jnp.asarray(keep_prob, dtype))
+    weights = weights.reshape(weights.shape[:-3] + (kv_heads, groups) + weights.shape[-2:])
+  out = jnp.einsum("...kgts,...skd->...tkgd", weights, value, precision=precision)
+  return out.reshape(*batch, length, heads, value.shape[-1])

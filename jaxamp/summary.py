@@ -1,0 +1,211 @@
+"""A per-module table of policies and parameter memory, for NNX and Linen models.
+
+Example:
+  >>> import jaxamp
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+  >>> s = jaxamp.summary(model, policy='mixed_bfloat16')
+  >>> [(r.path, r.compute_dtype, r.param_count) for r in s.rows]
+  [('', 'bfloat16', 0), ('layers', 'bfloat16', 0), ('layers/0', 'bfloat16', 40), ('layers/1', 'float32', 16)]
+  >>> s.total_stored_bytes, s.total_compute_bytes
+  (224, 144)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+
+from jaxamp.policy import Policy, PolicyLike
+
+__all__ = ["summary", "Summary", "SummaryRow", "module_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+  """One module: where it is, what it is, the policy it runs under and its own parameters.
+
+  ``param_count`` and the byte figures count only the parameters the module owns
+  directly, not those of its submodules.
+  """
+
+  path: str
+  cls: str
+  param_dtype: str
+  compute_dtype: str
+  output_dtype: str
+  param_count: int
+  stored_bytes: int
+  compute_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """The rows of :func:`summary` with totals; ``str()`` renders a terminal table."""
+
+  rows: tuple[SummaryRow, ...]
+  policy: str
+
+  @property
+  def total_params(self) -> int:
+    return sum(r.param_count for r in self.rows)
+
+  @property
+  def total_stored_bytes(self) -> int:
+    """Bytes the parameters take as stored."""
+    return sum(r.stored_bytes for r in self.rows)
+
+  @property
+  def total_compute_bytes(self) -> int:
+    """Bytes the parameters would take stored in each module's compute dtype."""
+    return sum(r.compute_bytes for r in self.rows)
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain data (JSON-ready)."""
+    return {"policy": self.policy, "rows": [dataclasses.asdict(r) for r in self.rows],
+            "total_params": self.total_params, "total_stored_bytes": self.total_stored_bytes,
+            "total_compute_bytes": self.total_compute_bytes}
+
+  def table(self) -> str:
+    """The summary as a fixed-width table."""
+    header = ("path", "class", "params", "compute", "output", "#params", "stored",
+              "at compute")
+    body = [((r.path or "(model)"), r.cls, r.param_dtype, r.compute_dtype, r.output_dtype,
+             f"{r.param_count:,}", _bytes(r.stored_bytes), _bytes(r.compute_bytes))
+            for r in self.rows]
+    body.append(("total", "", "", "", "", f"{self.total_params:,}",
+                 _bytes(self.total_stored_bytes), _bytes(self.total_compute_bytes)))
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    numeric = {5, 6, 7}
+
+    def fmt(row: Sequence[str]) -> str:
+      return "  ".join(str(c).rjust(w) if i in numeric else str(c).ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    rule = "-" * len(fmt(header))
+    return "\n".join([f"policy: {self.policy}", fmt(header), rule, *map(fmt, body[:-1]), rule,
+                      fmt(body[-1])])
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def _bytes(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def _key(k: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
+  """Sort key putting parents before children and 'layers/2' before 'layers/10'."""
+  if not path:
+    return ()
+  return tuple((0, int(s), "") if s.isdigit() else (1, 0, s) for s in path.split("/"))
+
+
+def _owner(path: str, module_paths: Sequence[str]) -> str:
+  """The longest module path that contains ``path``."""
+  best = ""
+  for m in module_paths:
+    if (m == "" or path == m or path.startswith(m + "/")) and len(m) > len(best):
+      best = m
+  return best
+
+
+def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tuple[str, Any]]]:
+  """Groups the array leaves of a params tree by the module that owns them.
+
+  Args:
+    params: a params pytree (an ``nnx.State`` or Linen ``'params'`` collection).
+    module_paths: ``'/'``-joined module paths.
+
+  Returns:
+    ``{module_path: [(leaf_path, leaf), ...]}``.
+  """
+  groups: dict[str, list[tuple[str, Any]]] = {m: [] for m in module_paths}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [_key(k) for k in path]
+    if keys and keys[-1] == "value":  # nnx.Variable's own pytree child
+      keys = keys[:-1]
+    name = "/".join(keys)
+    groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
+  return groups
+
+
+def _nnx_plan(model: Any, policy: PolicyLike | None):
+  from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
+
+  module = model.module if isinstance(model, amp_nnx.PolicyModule) else model
+  plan = amp_nnx.module_policies(model, policy)
+  return plan, nnx.state(module, nnx.Param)
+
+
+def _linen_plan(model: Any, example_inputs: Sequence[Any], policy: PolicyLike | None):
+  from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+  if isinstance(model, tuple):
+    module, variables = model
+  else:
+    module = model
+    variables = jax.eval_shape(lambda: module.init(jax.random.key(0), *example_inputs))
+  plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy)
+  return plan, variables["params"]
+
+
+def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None) -> Summary:
+  """One row per module: path, class, param/compute/output dtype, parameters and their bytes.
+
+  Args:
+    model: an NNX module (or ``jaxamp.nnx.with_policy`` wrapper); a Linen module (its
+      variables are shaped abstractly from ``example_inputs``); or a Linen
+      ``(module, variables)`` pair.
+    *example_inputs: inputs to trace a Linen module with (arrays or
+      ``jax.ShapeDtypeStruct``); NNX models need none.
+    policy: the model-level policy; None for the global policy (or the wrapper's).
+
+  Returns:
+    A :class:`Summary`; print it for a table, or read ``.rows`` / ``.to_dict()``.
+  """
+  if isinstance(model, nnx.Module):
+    plan, params = _nnx_plan(model, policy)
+  elif isinstance(model, nn.Module) or (isinstance(model, tuple) and len(model) == 2
+                                        and isinstance(model[0], nn.Module)):
+    if not example_inputs:
+      raise ValueError("summary of a Linen module needs example inputs to trace it with.")
+    plan, params = _linen_plan(model, example_inputs, policy)
+  else:
+    raise ValueError(f"summary takes an NNX module, a Linen module or a Linen (module, "
+                     f"variables) pair; got {type(model).__name__}.")
+  seen: dict[str, tuple[type, Policy]] = {}
+  for path, cls, p in plan:
+    seen.setdefault(path, (cls, p))
+  groups = module_params(params, list(seen))
+  rows = []
+  for path in sorted(seen, key=_tree_order):
+    cls, p = seen[path]
+    leaves = [leaf for _, leaf in groups.get(path, [])]
+    count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
+    stored = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+    compute = sum(int(np.prod(leaf.shape)) * (p.compute_dtype.itemsize
+                                              if np.issubdtype(leaf.dtype, np.floating)
+                                              else np.dtype(leaf.dtype).itemsize)
+                  for leaf in leaves)
+    rows.append(SummaryRow(path, cls.__name__, p.param_dtype.name, p.compute_dtype.name,
+                           p.output_dtype.name, count, stored, compute))
+  model_policy = next((p for path, _, p in plan if path == ""), None)
+  return Summary(tuple(rows), model_policy.name if model_policy else "")
