@@ -41,6 +41,7 @@ so every device keeps the same loss scale. For several hosts, call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -54,6 +55,7 @@ from flax import nnx
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
+from jaxamp.rules import NORM_CLASSES, policy_rules
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
 
@@ -195,7 +197,7 @@ class TrainStep:
                policy: Policy, has_aux: bool, grad_accum_steps: int, mesh: Any,
                batch_axis: str, donate: bool, grad_reduce_dtype: Any,
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
-               eval_fn: Callable[..., Any] | None, seed: int):
+               eval_fn: Callable[..., Any] | None, seed: int, level: Any = None):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
     if mesh is not None and batch_axis not in mesh.axis_names:
@@ -215,6 +217,7 @@ class TrainStep:
     self.float32_outputs = float32_outputs
     self.debug_nonfinite = debug_nonfinite
     self.seed = seed
+    self.level = level
     self._user_optimizer = optimizer
     self.optimizer: optax.GradientTransformation | None = None
     self._adapter: Any = None
@@ -264,7 +267,9 @@ class TrainStep:
                                       "LossScaleState")
     tx = self._user_optimizer
     if found is None:
-      tx = optax.chain(_ls.loss_scale_for(self.policy), tx)
+      scale = (self.level.make_loss_scale() if self.level is not None
+               else _ls.loss_scale_for(self.policy))
+      tx = optax.chain(scale, tx)
     return _ls.skip_nonfinite(tx)
 
   def _replicated(self) -> Any:
@@ -322,6 +327,10 @@ class TrainStep:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
       return loss * scale, (loss, aux, new_state())
 
+    if self.level is not None and self.level.autocast:
+      from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
+
+      scaled_loss = autocast(scaled_loss, self.level.policy)
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     k = self.grad_accum_steps
     if k == 1:
@@ -383,8 +392,18 @@ class TrainStep:
     batch = jax.tree.map(lambda x: put(x, data), batch)
     return sharded(state.params, state.model_state, batch, rng, scale)
 
+  def _tracing(self) -> Any:
+    """Rule changes an opt level asks for, in force while the step is traced."""
+    if self.level is not None and not self.level.keep_norms_float32:
+      return policy_rules({cls: None for cls in NORM_CLASSES})
+    return contextlib.nullcontext()
+
   def _step_impl(self, state: TrainState, batch: Any):
     self.trace_count += 1  # runs only while tracing
+    with self._tracing():
+      return self._step_body(state, batch)
+
+  def _step_body(self, state: TrainState, batch: Any):
     scale = _ls.get_loss_scale(state.opt_state)
     next_rng, step_rng = jax.random.split(state.rng)
     grads, loss, aux, model_state = self._grads(state, batch, scale, step_rng)
@@ -408,7 +427,7 @@ class TrainStep:
     model_state = _ls._select_tree(finite, model_state, state.model_state)
     next_rng = jax.lax.select(finite, next_rng, state.rng)
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
-    grad_norm = optax.global_norm(cast_floating(grads, _F32)) / scale
+    grad_norm = optax.tree.norm(cast_floating(grads, _F32)) / scale
     metrics: dict[str, Any] = {
         "loss": loss,
         "loss_scale": ls_state.scale,
@@ -431,9 +450,17 @@ class TrainStep:
     return new_state, metrics
 
   def _eval_impl(self, state: TrainState, batch: Any):
-    model, _ = self._adapter.bind(state.params, state.model_state, state.rng, self.policy,
-                                  train=False, float32_outputs=self.float32_outputs)
-    return cast_floating(self.eval_fn(model, batch), _F32)
+    def run(params, model_state, batch):
+      model, _ = self._adapter.bind(params, model_state, state.rng, self.policy, train=False,
+                                    float32_outputs=self.float32_outputs)
+      return cast_floating(self.eval_fn(model, batch), _F32)
+
+    if self.level is not None and self.level.autocast:
+      from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
+
+      run = autocast(run, self.level.policy)
+    with self._tracing():
+      return run(state.params, state.model_state, batch)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -442,7 +469,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     donate: bool = True, grad_reduce_dtype: Any = jnp.float32,
                     master_weights: bool | None = None, float32_outputs: bool = True,
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
-                    seed: int = 0) -> TrainStep:
+                    seed: int = 0, opt_level: Any = None) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -471,13 +498,31 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       whether its gradient had an inf/NaN, to find the layer that overflowed.
     eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
     seed: seed of the state's PRNG key (Linen dropout).
+    opt_level: an Apex-style level, ``'O0'``–``'O3'`` or a :class:`jaxamp.OptLevel`
+      (see :func:`jaxamp.opt_level`); it sets the policy, the loss scale inserted when
+      ``optimizer`` has none, master weights (unless given), whether norms stay float32,
+      and for O1 runs the loss computation through :func:`jaxamp.autocast` with a
+      float32 model. Not combinable with ``policy``.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
   """
+  level = None
+  if opt_level is not None:
+    from jaxamp.opt_levels import opt_level as get_level  # pylint: disable=g-import-not-at-top
+
+    if policy is not None:
+      raise ValueError(f"Pass either policy= or opt_level=, not both (got policy={policy!r}, "
+                       f"opt_level={opt_level!r}); override a level's policy with "
+                       "jaxamp.opt_level(name, policy=...).")
+    level = get_level(opt_level)
+    # O1 keeps the model in float32 and lets autocast pick each operation's precision.
+    policy = get_policy("float32") if level.autocast else level.policy
+    if master_weights is None:
+      master_weights = level.master_weights
   policy = global_policy() if policy is None else get_policy(policy)
   return TrainStep(loss_fn, optimizer, policy=policy, has_aux=has_aux,
                    grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis,
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,
                    master_weights=master_weights, float32_outputs=float32_outputs,
-                   debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed)
+                   debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level)

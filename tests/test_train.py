@@ -1,0 +1,440 @@
+"""Tests for jaxamp.train: exact skips, accumulation, data parallel, resume, no retracing."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import jaxamp
+
+POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class NNXNet(nnx.Module):
+  """Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+  def __init__(self, rngs, *, dropout=0.0, batchnorm=True):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs) if batchnorm else None
+    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.l1(x)
+    if self.bn is not None:
+      h = self.bn(h)
+    return self.l2(self.drop(jax.nn.relu(h)))
+
+
+class LinenNet(nn.Module):
+  dropout: float = 0.0
+  batchnorm: bool = True
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    h = nn.Dense(16)(x)
+    if self.batchnorm:
+      h = nn.BatchNorm(use_running_average=not train)(h)
+    h = nn.Dropout(self.dropout, deterministic=not train)(jax.nn.relu(h))
+    return nn.Dense(4)(h)
+
+
+def xent(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def loss_fn(model, batch):
+  return xent(model(batch["x"]), batch["y"])
+
+
+def make_batches(n, size=16, seed=0):
+  rng = np.random.RandomState(seed)
+  return [{"x": rng.randn(size, 8).astype(np.float32),
+           "y": rng.randint(0, 4, size).astype(np.int32)} for _ in range(n)]
+
+
+def init(train, api, **kw):
+  if api == "nnx":
+    return train.init(NNXNet(nnx.Rngs(0, dropout=1), **kw))
+  module = LinenNet(**kw)
+  return train.init(module, module.init(jax.random.key(0), jnp.zeros((2, 8)), train=False))
+
+
+def leaves(tree):
+  def host(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return [host(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_trees_equal(a, b):
+  la, lb = leaves(a), leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_end_to_end_trains_with_batchnorm_and_dropout(api, policy):
+  seen = []
+
+  def spy_loss(model, batch):
+    out = model(batch["x"])
+    seen.append(out.dtype)
+    return xent(out, batch["y"])
+
+  train = jaxamp.make_train_step(spy_loss, optax.adam(1e-2), policy=policy)
+  state = init(train, api, dropout=0.1)
+  stats0 = leaves(state.model_state)
+  batch = make_batches(1)[0]
+  losses = []
+  for _ in range(6):
+    state, metrics = train.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert seen == [jnp.float32]  # traced once; outputs handed over in float32
+  assert losses[-1] < losses[0]
+  assert metrics["loss"].dtype == jnp.float32
+  assert int(metrics["skipped_steps"]) == 0 and bool(metrics["grads_finite"])
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+  expected_scale = 2.0**15 if policy == "mixed_float16" else 1.0
+  assert float(jaxamp.get_loss_scale(state.opt_state)) == expected_scale
+  assert float(metrics["loss_scale"]) == expected_scale
+  stats = [x for x in jax.tree.leaves(state.model_state)
+           if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert stats and all(x.dtype == jnp.float32 for x in stats)  # BatchNorm stats stay f32
+  changed = [not np.array_equal(a, b) for a, b in zip(leaves(state.model_state), stats0)
+             if a.dtype == np.float32]
+  assert any(changed)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_mixed_matches_float32_within_tolerance(api):
+  batches = make_batches(4)
+  final = {}
+  for policy in ("float32", "mixed_bfloat16"):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), policy=policy)
+    state = init(train, api, batchnorm=False)
+    for b in batches:
+      state, _ = train.step(state, b)
+    final[policy] = leaves(state.params)
+  # bfloat16 has an 8-bit mantissa: after 4 small SGD steps params agree to ~1e-2.
+  for a, b in zip(final["float32"], final["mixed_bfloat16"]):
+    np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_injected_inf_matches_control_run_bit_for_bit(api):
+  # Powers of two scale exactly in bfloat16/float32, so the two runs' different loss
+  # scales cannot change a bit; only the skip could.
+  def run(batches):
+    tx = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0**10, growth_interval=1000),
+                     optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", donate=False)
+    state = init(train, api, dropout=0.2)
+    history = []
+    for b in batches:
+      before = state
+      state, metrics = train.step(state, b)
+      history.append((before, state, metrics))
+    return state, history
+
+  batches = make_batches(5)
+  poisoned = dict(batches[2], x=batches[2]["x"].copy())
+  poisoned["x"][0, 0] = np.inf
+  state_a, hist_a = run(batches[:2] + [poisoned] + batches[3:])
+  state_b, _ = run(batches[:2] + batches[3:])
+
+  before, after, metrics = hist_a[2]
+  assert not bool(metrics["grads_finite"])
+  assert int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == 2.0**9
+  assert_trees_equal(after.params, before.params)
+  assert_trees_equal(after.model_state, before.model_state)
+  inner_before = optax.tree_utils.tree_get(before.opt_state, "ScaleByAdamState")
+  inner_after = optax.tree_utils.tree_get(after.opt_state, "ScaleByAdamState")
+  assert_trees_equal(inner_after, inner_before)
+
+  assert_trees_equal(state_a.params, state_b.params)
+  assert_trees_equal(state_a.model_state, state_b.model_state)
+  assert_trees_equal(optax.tree_utils.tree_get(state_a.opt_state, "ScaleByAdamState"),
+                     optax.tree_utils.tree_get(state_b.opt_state, "ScaleByAdamState"))
+
+
+def test_grad_accumulation_matches_one_big_batch():
+  batch = make_batches(1, size=32)[0]
+  results = {}
+  for k in (1, 4):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32",
+                                   grad_accum_steps=k)
+    state = init(train, "nnx", batchnorm=False)
+    for _ in range(3):
+      state, metrics = train.step(state, batch)
+    results[k] = (leaves(state.params), float(metrics["loss"]), float(metrics["grad_norm"]))
+  for a, b in zip(results[1][0], results[4][0]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(results[1][1], results[4][1], rtol=1e-5)
+  np.testing.assert_allclose(results[1][2], results[4][2], rtol=1e-5)
+
+
+def test_grad_accumulation_skips_whole_step_when_one_micro_batch_overflows():
+  train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.dynamic_loss_scale(4.0),
+                                                      optax.sgd(0.1)),
+                                 policy="float32", grad_accum_steps=4, donate=False)
+  state = init(train, "nnx", batchnorm=False)
+  batch = make_batches(1, size=32)[0]
+  batch["x"][30, 3] = np.nan  # only the last micro-batch sees it
+  new, metrics = train.step(state, batch)
+  assert not bool(metrics["grads_finite"])
+  assert_trees_equal(new.params, state.params)
+  assert float(metrics["loss_scale"]) == 2.0
+  assert int(metrics["skipped_steps"]) == 1
+
+
+def test_grad_accumulation_needs_divisible_batch():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=3)
+  state = init(train, "nnx", batchnorm=False)
+  with pytest.raises(ValueError, match="grad_accum_steps=3 must divide the batch size 16"):
+    train.step(state, make_batches(1)[0])
+
+
+def test_compiles_once_and_donates_buffers():
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
+  state = init(train, "nnx")
+  old = state
+  for b in make_batches(4):
+    state, _ = train.step(state, b)
+  assert train.trace_count == 1
+  assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
+  assert int(state.step) == 4
+
+
+def test_grad_norm_is_norm_of_unscaled_gradients():
+  batch = make_batches(1)[0]
+  train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.static_loss_scale(256.0),
+                                                      optax.sgd(0.0)),
+                                 policy="float32", donate=False)
+  state = init(train, "nnx", batchnorm=False)
+  model = train.model(state)
+  grads = nnx.grad(lambda m: loss_fn(m, batch))(model)
+  _, metrics = train.step(state, batch)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.global_norm(grads)),
+                             rtol=1e-6)
+  assert float(metrics["loss_scale"]) == 256.0
+
+
+def test_master_weights_for_half_params():
+  # A step of 1e-4 on weights near 1 vanishes in bfloat16 (spacing 2**-7) unless float32
+  # master weights accumulate it.
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(1e-4), policy="bfloat16", donate=False)
+  state = init(train, "nnx", batchnorm=False)
+  assert train.master_weights
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
+  master0 = leaves(state.opt_state.master_params)
+  assert all(x.dtype == np.float32 for x in master0)
+  for b in make_batches(3):
+    state, metrics = train.step(state, b)
+  master = state.opt_state.master_params
+  assert any(not np.array_equal(a, b) for a, b in zip(leaves(master), master0))
+  assert_trees_equal(state.params, jax.tree.map(lambda m: m.astype(jnp.bfloat16), master))
+  assert bool(metrics["grads_finite"])
+
+
+def test_debug_nonfinite_names_the_overflowing_parameter():
+  class TwoHeads(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(8, 4, rngs=rngs)
+      self.b = nnx.Linear(8, 4, rngs=rngs)
+
+  def loss(model, batch):  # linear in the outputs, so head a's gradient stays finite
+    return jnp.mean(model.a(batch["x"])) + jnp.mean(model.b(batch["x2"]))
+
+  train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="float32",
+                                 debug_nonfinite=True)
+  state = train.init(TwoHeads(nnx.Rngs(0)))
+  x = np.ones((4, 8), np.float32)
+  x2 = x.copy()
+  x2[1, 2] = np.inf
+  _, metrics = train.step(state, {"x": x, "x2": x2})
+  bad = sorted(k for k, v in metrics["nonfinite_grads"].items() if bool(v))
+  assert bad == ["b/bias", "b/kernel"] or bad == ["b/kernel"]
+  assert "a/kernel" in metrics["nonfinite_grads"]
+
+
+def test_aux_metrics_and_eval_step():
+  def loss_with_aux(model, batch):
+    logits = model(batch["x"])
+    acc = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+    return xent(logits, batch["y"]), {"accuracy": acc}
+
+  def eval_fn(model, batch):
+    return model(batch["x"])
+
+  train = jaxamp.make_train_step(loss_with_aux, optax.sgd(0.1), policy="mixed_bfloat16",
+                                 has_aux=True, eval_fn=eval_fn, donate=False)
+  state = init(train, "nnx", dropout=0.5)
+  batch = make_batches(1)[0]
+  state, metrics = train.step(state, batch)
+  assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+  out = train.eval_step(state, batch)
+  assert out.dtype == jnp.float32
+  # eval mode: deterministic dropout and running BatchNorm statistics
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(train.eval_step(state, batch)))
+  ref = train.model(state)
+  ref.eval()
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref(batch["x"])), atol=5e-2)
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import jax, numpy as np, optax
+    import jaxamp
+    from test_train import loss_fn, init, make_batches, leaves
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((8,), ('data',))
+    batches = make_batches(3, size=32)
+    # float32: only summation order differs. bfloat16: each device rounds its own partial
+    # products, and Adam magnifies differences in near-zero gradients (bf16 spacing 2**-8).
+    for policy, atol in [('float32', 1e-5), ('mixed_bfloat16', 2e-3)]:
+      out = {{}}
+      for name, kw in [('single', {{}}), ('mesh', dict(mesh=mesh))]:
+        tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**8), optax.adam(1e-2))
+        train = jaxamp.make_train_step(loss_fn, tx, policy=policy, **kw)
+        state = init(train, 'nnx', batchnorm=False)
+        for b in batches:
+          state, metrics = train.step(state, b)
+        out[name] = (leaves(state.params), float(metrics['loss']), float(metrics['loss_scale']))
+        if name == 'mesh':
+          assert len(state.params['l1']['kernel'][...].sharding.device_set) == 8
+          bad = dict(batches[0], x=batches[0]['x'].copy()); bad['x'][31, 0] = np.inf
+          state2, m2 = train.step(state, bad)   # only the last device sees the inf
+          assert not bool(m2['grads_finite'])
+          assert float(m2['loss_scale']) == float(metrics['loss_scale']) / 2
+          for a, b in zip(leaves(state2.params), out['mesh'][0]):
+            np.testing.assert_array_equal(a, b)
+      for a, b in zip(out['single'][0], out['mesh'][0]):
+        np.testing.assert_allclose(a, b, rtol=atol, atol=atol)
+      np.testing.assert_allclose(out['single'][1], out['mesh'][1], rtol=10 * atol)
+      assert out['single'][2] == out['mesh'][2]
+    print('MESH-OK')
+""")
+
+
+def _run_script(source, tmp_path, name, env=None):
+  path = tmp_path / name
+  path.write_text(source)
+  full_env = dict(os.environ, **(env or {}))
+  proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                        env=full_env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc.stdout
+
+
+def test_data_parallel_on_8_devices_matches_single_device(tmp_path):
+  script = _MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  out = _run_script(script, tmp_path, "mesh.py",
+                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                     "JAX_PLATFORMS": "cpu"})
+  assert "MESH-OK" in out
+
+
+_RESUME_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import jax, numpy as np, optax, orbax.checkpoint as ocp
+    import jaxamp
+    from test_train import loss_fn, init, make_batches, leaves
+    mode, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    batches = make_batches(5)
+    tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**4, growth_interval=2), optax.adam(1e-2))
+    train = jaxamp.make_train_step(loss_fn, tx, policy='mixed_float16')
+    state = init(train, 'nnx', dropout=0.2)
+    checkpointer = ocp.StandardCheckpointer()
+    if mode == 'first':
+      for b in batches[:3]:
+        state, _ = train.step(state, b)
+      checkpointer.save(ckpt, state)
+      checkpointer.wait_until_finished()
+    else:
+      state = checkpointer.restore(ckpt, jaxamp.abstract_state(state))
+      for b in batches[3:]:
+        state, _ = train.step(state, b)
+      np.savez(out, *leaves(state.params), *leaves(state.model_state),
+               scale=np.asarray(jaxamp.get_loss_scale(state.opt_state)))
+""")
+
+
+def test_orbax_resume_in_fresh_process_is_bit_identical(tmp_path):
+  script = _RESUME_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
+  path = tmp_path / "resume.py"
+  path.write_text(script)
+  for mode in ("first", "second"):
+    proc = subprocess.run([sys.executable, str(path), mode, ckpt, out], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+  tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**4, growth_interval=2), optax.adam(1e-2))
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16")
+  state = init(train, "nnx", dropout=0.2)
+  for b in make_batches(5):
+    state, _ = train.step(state, b)
+  resumed = np.load(out)
+  expected = leaves(state.params) + leaves(state.model_state)
+  for i, x in enumerate(expected):
+    np.testing.assert_array_equal(resumed[f"arr_{i}"], x)
+  # growth every 2 finite steps from 16: 5 steps -> 16 * 2 * 2
+  assert float(resumed["scale"]) == float(jaxamp.get_loss_scale(state.opt_state)) == 64.0
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="grad_accum_steps must be >= 1"):
+    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=0)
+  mesh = jax.make_mesh((1,), ("batch",))
+  with pytest.raises(ValueError, match="batch_axis 'data' is not an axis of the mesh"):
+    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1))
+  with pytest.raises(RuntimeError, match="init"):
+    train.step(None, None)
+  with pytest.raises(ValueError, match="init\\(module, variables\\)"):
+    train.init(LinenNet())
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.parametrize("level,param_dtype,scale,half_share,master", [
+    ("O0", jnp.float32, 1.0, 0.0, False),
+    ("O1", jnp.float32, 2.0**15, 1.0, False),
+    ("O2", jnp.float16, 2.0**15, 1.0, True),
+    ("O3", jnp.float16, 1.0, 1.0, False),
+])
+def test_opt_levels_end_to_end(api, level, param_dtype, scale, half_share, master):
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level=level, donate=False)
+  state = init(train, api, dropout=0.1)
+  batch = make_batches(1)[0]
+  report = jaxamp.precision_report(train.step, state, batch)  # lowered only: fwd + bwd
+  assert report.total_flops > 0
+  assert report.half_share == pytest.approx(half_share, abs=1e-6)
+  for _ in range(3):
+    state, metrics = train.step(state, batch)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(param_dtype)}
+  assert float(metrics["loss_scale"]) == scale
+  assert train.master_weights == master
+  assert isinstance(state.opt_state, jaxamp.MasterWeightsState) == master
+  assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+
+
+def test_opt_level_excludes_policy():
+  with pytest.raises(ValueError, match="either policy= or opt_level="):
+    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32", opt_level="O1")
