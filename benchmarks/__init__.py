@@ -1,0 +1,1 @@
+"""jaxamp's benchmark harness: ``python benchmarks/run.py --help``."""

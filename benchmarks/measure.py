@@ -1,0 +1,229 @@
+"""Compiling, inspecting and timing candidate steps: the measuring half of the harness.
+
+A :class:`Candidate` is one way of running one model under one policy: a pure step
+``step(state, batch) -> (state, out)`` and its inputs. :func:`measure` compiles each
+ahead of time (``jax.jit(step, donate_argnums=0).lower(...).compile()``, timed), reads
+XLA's memory figures from the compiled executable, asks :func:`jaxamp.precision_report`
+what its matmuls run in, then times the compiled executables *interleaved*: after a
+warm-up, every round runs each candidate for a few steps, in an order that rotates
+and alternates direction from round to round, so a slow spell of a shared machine
+lands on all candidates alike. The step time is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+import jaxamp
+
+
+@dataclasses.dataclass
+class Candidate:
+  """One implementation of one model under one policy.
+
+  Attributes:
+    impl: who wrote the precision handling: ``'jaxamp'``, ``'hand-written Flax'``,
+      ``'Keras 3'`` or ``'jax.numpy'``.
+    policy: the policy label (``'float32'``, ``'float32 HIGHEST'``, ``'mixed_bfloat16'``...).
+    step: ``step(state, batch) -> (state, out)``, pure; ``state`` is donated.
+    state: the initial state.
+    batch: the batch every step runs on (already on the device).
+    report: a zero-argument function returning the :class:`jaxamp.PrecisionReport` of
+      the loss's forward and backward pass (or of the forward for a bare matmul).
+    matmul_precision: ``'highest'`` to lower under
+      ``jax.default_matmul_precision('highest')``, else None (the backend default,
+      TF32 for float32 on Ampere and newer GPUs).
+    items: examples per step (tokens, images, or None), for the throughput column.
+    call: the user-facing entry point running ``step`` (``train.step`` for jaxamp), timed
+      instead of the ahead-of-time executable when :func:`measure` gets ``aot=False``;
+      None means ``jax.jit(step, donate_argnums=0)``.
+  """
+
+  impl: str
+  policy: str
+  step: Callable[[Any, Any], tuple[Any, Any]]
+  state: Any
+  batch: Any
+  report: Callable[[], jaxamp.PrecisionReport] | None = None
+  matmul_precision: str | None = None
+  items: int | None = None
+  call: Callable[[Any, Any], tuple[Any, Any]] | None = None
+
+  @property
+  def name(self) -> str:
+    return f"{self.impl} / {self.policy}"
+
+
+@dataclasses.dataclass
+class Measurement:
+  """What :func:`measure` found for one candidate (times in seconds, sizes in bytes)."""
+
+  impl: str
+  policy: str
+  items: int | None
+  compile_s: float
+  memory: dict[str, int]
+  round_step_s: list[float]
+  half_share: float | None = None
+  matmul_flops: int | None = None
+  residual_bytes: int | None = None
+  error: str | None = None
+
+  @property
+  def step_s(self) -> float:
+    """Median time per step over the rounds."""
+    return statistics.median(self.round_step_s) if self.round_step_s else float("nan")
+
+  @property
+  def spread(self) -> float:
+    """Interquartile range of the round times over their median (0.05 is 5 %)."""
+    if len(self.round_step_s) < 2:
+      return float("nan")
+    q1, _, q3 = statistics.quantiles(self.round_step_s, n=4, method="inclusive")
+    return (q3 - q1) / self.step_s
+
+  @property
+  def throughput(self) -> float | None:
+    return None if self.items is None else self.items / self.step_s
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out.update(step_s=self.step_s, spread=self.spread, throughput=self.throughput)
+    return out
+
+
+def _precision(name: str | None):
+  return jax.default_matmul_precision(name) if name else contextlib.nullcontext()
+
+
+def memory_figures(compiled: Any) -> dict[str, int]:
+  """XLA's compiled memory figures, in bytes (empty if the backend gives none)."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  figures = {name: int(getattr(stats, f"{name}_size_in_bytes", 0) or 0)
+             for name in ("argument", "output", "alias", "temp", "generated_code")}
+  peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+  # Not every backend fills in the peak; arguments + outputs + temporaries, less what
+  # donation lets outputs reuse, bounds it from above.
+  figures["peak"] = peak or (figures["argument"] + figures["output"] + figures["temp"]
+                             - figures["alias"])
+  return figures
+
+
+def _compile(c: Candidate) -> tuple[Any, float]:
+  start = time.perf_counter()
+  with _precision(c.matmul_precision):
+    compiled = jax.jit(c.step, donate_argnums=0).lower(c.state, c.batch).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _order(n: int, r: int, stride: int = 1) -> list[int]:
+  """Round ``r``'s order: rotated by ``r * stride``, reversed every other round.
+
+  With ``stride=2`` candidates ``2k`` and ``2k + 1`` always run back to back.
+  """
+  order = [(i + r * stride) % n for i in range(n)]
+  return order[::-1] if r % 2 else order
+
+
+def _prepare(c: Candidate, aot: bool, inspect: bool, warmup: int
+             ) -> tuple[Callable[[Any, Any], Any], Any, Measurement]:
+  """Compiles ``c`` (timed), inspects it and warms it up: (runner, state, measurement)."""
+  if aot:
+    runner, seconds = _compile(c)
+    memory = memory_figures(runner)
+  else:
+    # The user-facing call compiles on first use: time that call (one step included).
+    runner = c.call if c.call is not None else jax.jit(c.step, donate_argnums=0)
+    start = time.perf_counter()
+    with _precision(c.matmul_precision):
+      state, out = runner(c.state, c.batch)
+      jax.block_until_ready((state, out))
+    seconds, memory, warmup = time.perf_counter() - start, {}, warmup - 1
+  m = Measurement(c.impl, c.policy, c.items, seconds, memory, [])
+  if inspect and c.report is not None:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # float16 on a CPU: known to be slow
+      with _precision(c.matmul_precision):
+        report = c.report()
+    m.half_share = report.half_share
+    m.matmul_flops = report.total_flops
+    m.residual_bytes = report.residual_bytes
+  if aot:
+    state = c.state
+  with _precision(c.matmul_precision):  # a jitted call retraces under another precision
+    for _ in range(max(warmup, 0)):
+      state, out = runner(state, c.batch)
+  jax.block_until_ready(state)
+  return runner, state, m
+
+
+def _error(e: Exception) -> str:
+  first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  return f"{type(e).__name__}: {first[:300]}"
+
+
+def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps: int,
+            aot: bool = True, inspect: bool = True, pairs: bool = False,
+            log: Callable[[str], None] = print) -> list[Measurement]:
+  """Compiles, inspects and times ``candidates``; see the module docstring.
+
+  A candidate that fails to compile or run is reported with its error and no times,
+  so one unsupported combination does not end the whole run.
+
+  Args:
+    candidates: the candidates; their states are donated and consumed.
+    warmup: untimed steps per candidate after compiling.
+    rounds: interleaved timing rounds; the median is over these.
+    steps: steps per candidate per round, timed together (one sync at the end).
+    aot: time the ahead-of-time compiled executable (and read its memory figures); if
+      False, time each candidate's user-facing ``call`` instead, and report the first
+      call's time (trace, compile and one step) as the compile time.
+    inspect: run each candidate's precision report.
+    pairs: candidates come in pairs to compare (``2k`` with ``2k + 1``): keep each pair
+      back to back in every round.
+    log: where progress lines go.
+
+  Returns:
+    One :class:`Measurement` per candidate, in input order.
+  """
+  results: list[Measurement] = []
+  live: list[tuple[int, Any, Candidate]] = []  # (index, runner, candidate)
+  states: dict[int, Any] = {}
+  for i, c in enumerate(candidates):
+    log(f"  compiling {c.name}")
+    try:
+      runner, states[i], m = _prepare(c, aot, inspect, warmup)
+      live.append((i, runner, c))
+    except Exception as e:  # pylint: disable=broad-except
+      log(f"    failed: {_error(e)}")
+      m = Measurement(c.impl, c.policy, c.items, float("nan"), {}, [], error=_error(e))
+    results.append(m)
+    c.state = None  # donated or copied into ``states``: drop the reference
+
+  for r in range(rounds):
+    stride = 2 if pairs and len(live) % 2 == 0 else 1
+    for k in _order(len(live), r, stride):
+      i, runner, c = live[k]
+      state = states[i]
+      with _precision(c.matmul_precision):
+        start = time.perf_counter()
+        for _ in range(steps):
+          state, out = runner(state, c.batch)
+        jax.block_until_ready((state, out))
+        results[i].round_step_s.append((time.perf_counter() - start) / steps)
+      states[i] = state
+  for i, _, c in live:
+    m = results[i]
+    log(f"  {c.name:<40} {1e3 * m.step_s:9.2f} ms/step  (IQR {100 * m.spread:.1f}%)")
+  states.clear()
+  return results

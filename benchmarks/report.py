@@ -1,0 +1,339 @@
+"""Writing what the harness measured: RESULTS.md, results.json and a PNG chart.
+
+Nothing here makes up a number: every table cell comes from a :class:`Measurement`
+or from the machine description; a cell the harness could not measure reads ``n/a``.
+The only constants are the datasheet peak FLOP/s in :data:`PEAK_TFLOPS`, used for
+model-FLOPs utilization on known GPUs and labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from benchmarks.measure import Measurement
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by a substring of
+# jax's device_kind; the first match wins, so the PCIe H100 comes before the SXM one.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756, "float16": 756, "tf32": 378, "float32": 51}),
+    ("H100", {"bfloat16": 989, "float16": 989, "tf32": 495, "float32": 67}),
+    ("H200", {"bfloat16": 989, "float16": 989, "tf32": 495, "float32": 67}),
+    ("A100", {"bfloat16": 312, "float16": 312, "tf32": 156, "float32": 19.5}),
+    ("L4", {"bfloat16": 121, "float16": 121, "tf32": 60, "float32": 30.3}),
+    ("V100", {"float16": 125, "float32": 15.7}),
+)
+
+
+@dataclasses.dataclass
+class Section:
+  """One table: a model (or the overhead check) and its measurements."""
+
+  key: str
+  title: str
+  description: str
+  results: list[Measurement]
+  throughput_unit: str | None = None  # 'tokens/s', 'images/s'; None: no column
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+
+# --- the machine -------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def _git_revision() -> str:
+  root = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                         capture_output=True, text=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           check=True, capture_output=True, text=True, timeout=10).stdout
+    return rev + (" (with uncommitted changes)" if dirty.strip() else "")
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+def machine() -> dict[str, Any]:
+  """Where the numbers come from: devices, CPU, versions, date."""
+  devices = jax.devices()
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:
+    usable = os.cpu_count()
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "backend": jax.default_backend(),
+      "device": devices[0].device_kind,
+      "device_count": len(devices),
+      "cpu": _cpu_model(),
+      "cpu_cores": usable,
+      "python": platform.python_version(),
+      "platform": platform.platform(),
+      "versions": {p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "keras", "numpy",
+                                            "jaxamp")},
+      "git": _git_revision(),
+      "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
+  }
+
+
+def peak_tflops(device_kind: str, policy: str) -> float | None:
+  """The datasheet dense peak for the dtype ``policy`` computes in, or None."""
+  if policy.endswith("bfloat16"):
+    key = "bfloat16"
+  elif policy.endswith("float16"):
+    key = "float16"
+  elif policy.endswith("HIGHEST"):
+    key = "float32"
+  else:
+    key = "tf32"  # float32 at the default precision: TF32 tensor cores where they exist
+  for name, peaks in PEAK_TFLOPS:
+    if name in device_kind:
+      return peaks.get(key, peaks.get("float32") if key == "tf32" else None)
+  return None
+
+
+# --- formatting --------------------------------------------------------------------------------
+
+
+_NA = "—"  # not applicable to this row; "n/a" is reserved for what could not be measured
+
+
+def _fmt(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
+  if x is None or (isinstance(x, float) and not math.isfinite(x)):
+    return "n/a"
+  return f"{x * scale:,.{digits}f}"
+
+
+def _mib(n: int | None) -> str:
+  return "n/a" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+  align = ["---" if i < 2 else "---:" for i in range(len(header))]
+  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return lines
+
+
+def _baseline(results: Sequence[Measurement], impl: str, policy: str) -> Measurement | None:
+  for m in results:
+    if m.impl == impl and m.policy == policy and m.round_step_s:
+      return m
+  return None
+
+
+def model_table(section: Section, device_kind: str) -> list[str]:
+  """The table of one model section (LM, ResNet or matmul)."""
+  results = section.results
+  base = _baseline(results, "jaxamp", "float32") or _baseline(results, "jax.numpy", "float32")
+  peaks = any(peak_tflops(device_kind, m.policy) for m in results)
+  header = ["implementation", "policy", "ms/step", "IQR %"]
+  if section.throughput_unit:
+    header.append(section.throughput_unit)
+  has_hand = any(m.impl == "hand-written Flax" for m in results)
+  header += ["× vs float32"] + (["× vs hand-written"] if has_hand else []) + ["compile s", "XLA peak MiB", "XLA temp MiB",
+             "residuals MiB", "half-precision matmul FLOPs %", "matmul GFLOP/step",
+             "achieved TFLOP/s"]
+  if peaks:
+    header.append("MFU %")
+  rows = []
+  for m in results:
+    if m.error:
+      continue
+    hand = _baseline(results, "hand-written Flax", m.policy)
+    speedup = base.step_s / m.step_s if base and m.round_step_s else None
+    vs_hand = (m.step_s / hand.step_s if hand and m.impl == "jaxamp" and m.round_step_s
+               else None)
+    tflops = (m.matmul_flops / m.step_s / 1e12 if m.matmul_flops and m.round_step_s
+              else None)
+    row = [m.impl, m.policy, _fmt(m.step_s, 2, 1e3), _fmt(m.spread, 1, 100)]
+    if section.throughput_unit:
+      row.append(_fmt(m.throughput, 0))
+    row += [_fmt(speedup, 2) if base else _NA] + (
+        [_fmt(vs_hand, 3) if m.impl == "jaxamp" else _NA] if has_hand else []) + [
+            _fmt(m.compile_s, 1),
+            _mib(m.memory.get("peak")), _mib(m.memory.get("temp")), _mib(m.residual_bytes),
+            _fmt(m.half_share, 1, 100),
+            _fmt(None if m.matmul_flops is None else m.matmul_flops / 1e9, 3),
+            _fmt(tflops, 3)]
+    if peaks:
+      peak = peak_tflops(device_kind, m.policy)
+      row.append(_fmt(tflops / peak, 1, 100) if tflops and peak else _NA)
+    rows.append(row)
+  return _table(header, rows)
+
+
+def overhead_table(section: Section, limit: float) -> tuple[list[str], list[tuple[str, float]]]:
+  """jaxamp's ``train.step`` against the hand-written step, per policy."""
+  rows, ratios = [], []
+  for policy in dict.fromkeys(m.policy for m in section.results):
+    amp = _baseline(section.results, "jaxamp", policy)
+    hand = _baseline(section.results, "hand-written Flax", policy)
+    if amp is None or hand is None:
+      continue
+    # Paired per round: the two run back to back, so a slow spell hits both.
+    ratio = statistics.median(a / h for a, h in zip(amp.round_step_s, hand.round_step_s))
+    ratios.append((policy, ratio))
+    rows.append([policy, _fmt(amp.step_s, 2, 1e3), _fmt(amp.spread, 1, 100),
+                 _fmt(hand.step_s, 2, 1e3), _fmt(hand.spread, 1, 100), f"{ratio:.3f}",
+                 "yes" if ratio <= limit else "**no**"])
+  header = ["policy", "jaxamp train.step ms", "IQR %", "hand-written ms", "IQR %",
+            "ratio", f"≤ {limit}"]
+  return _table(header, rows), ratios
+
+
+def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[Section],
+                   settings: dict[str, Any], chart: str | None, overhead_limit: float) -> None:
+  v = info["versions"]
+  mfu = any(peak_tflops(info["device"], m.policy) for s in sections for m in s.results)
+  lines = [
+      "# jaxamp benchmark results",
+      "",
+      f"Measured by `{info['command']}` on {info['date']} (size `{settings['size']}`, "
+      f"{settings['seconds']} s in all). "
+      "Generated file: rerun the harness rather than editing it.",
+      "",
+      "## Machine",
+      "",
+      *_table(["", ""], [
+          ["backend / device", f"{info['backend']} / {info['device']} × {info['device_count']}"],
+          ["CPU", f"{info['cpu']}, {info['cpu_cores']} cores usable"],
+          ["Python / OS", f"{info['python']} / {info['platform']}"],
+          ["jax / jaxlib", f"{v['jax']} / {v['jaxlib']}"],
+          ["flax / optax / keras", f"{v['flax']} / {v['optax']} / {v['keras']}"],
+          ["jaxamp", f"{v['jaxamp']}, git {info['git']}"],
+      ]),
+      "",
+      "## How to read the tables",
+      "",
+      f"- **ms/step**: median over {settings['rounds']} interleaved rounds of "
+      f"{settings['steps']} step(s) each, after {settings['warmup']} warm-up step(s); every "
+      "round runs each candidate in a rotating order, so slow spells hit all alike. "
+      "**IQR %**: interquartile range of the rounds over the median.",
+      "- **× vs float32**: jaxamp float32's step time over this row's (higher is faster). "
+      "**× vs hand-written**: jaxamp's step time over the hand-written Flax step's with the "
+      "same policy (lower is better; 1.000 is no overhead). — : does not apply; n/a: could "
+      "not be measured.",
+      "- **compile s**: `jax.jit(step).lower(...).compile()`, tracing included. **XLA peak / "
+      "temp MiB**: `compiled.memory_analysis()` (peak: live arguments, outputs and "
+      "temporaries; the state is donated).",
+      "- **residuals MiB**: what reverse mode saves between the forward and backward pass "
+      "(activations, not parameters), from `jaxamp.precision_report`.",
+      "- **half-precision matmul FLOPs %**: share of the forward + backward matmul and "
+      "convolution FLOPs whose operands are float16/bfloat16 in the lowered program "
+      "(`jaxamp.precision_report(loss, ..., backward=True)`). **achieved TFLOP/s**: those "
+      "FLOPs over the step time." + (" **MFU %**: achieved over the datasheet dense peak for "
+                                     "the policy's compute dtype (TF32 for float32; "
+                                     "`benchmarks/report.py` lists the peaks)." if mfu else ""),
+      "",
+  ]
+  if settings.get("keras"):
+    lines += [f"Keras 3: {settings['keras']}.", ""]
+  if chart:
+    lines += [f"![step time and memory per policy]({chart})", ""]
+  for s in sections:
+    lines += _section_lines(s, info, overhead_limit)
+  path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def _section_lines(s: Section, info: dict[str, Any], overhead_limit: float) -> list[str]:
+  lines = [f"## {s.title}", "", s.description, ""]
+  if s.key == "overhead":
+    table, ratios = overhead_table(s, overhead_limit)
+    lines += table
+    if ratios:
+      worst = max(ratios, key=lambda pr: pr[1])
+      verdict = "meets" if worst[1] <= overhead_limit else "does NOT meet"
+      lines += ["", f"Worst ratio {worst[1]:.3f} ({worst[0]}): {verdict} the "
+                f"≤ {overhead_limit} requirement on this machine."]
+  else:
+    lines += model_table(s, info["device"])
+  failed = [m for m in s.results if m.error]
+  if failed:
+    lines += ["", "Not measured:", ""]
+    lines += [f"- {m.impl} / {m.policy}: `{m.error}`" for m in failed]
+  if s.notes:
+    lines += [""] + [f"- {n}" for n in s.notes]
+  return lines + [""]
+
+
+def write_json(path: pathlib.Path, info: dict[str, Any], sections: Sequence[Section],
+               settings: dict[str, Any]) -> None:
+  data = {"machine": info, "settings": settings,
+          "sections": {s.key: {"title": s.title, "description": s.description,
+                               "results": [m.to_dict() for m in s.results]}
+                       for s in sections}}
+  path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+_COLORS = {"jaxamp": "#1f77b4", "hand-written Flax": "#ff7f0e", "Keras 3": "#2ca02c",
+           "jax.numpy": "#7f7f7f", "jaxamp.autocast": "#9467bd"}
+
+
+def write_chart(path: pathlib.Path, sections: Sequence[Section], info: dict[str, Any]) -> bool:
+  """Bars per section: step time relative to float32, and XLA peak memory.
+
+  Returns False (and writes nothing) when no section has a timed result.
+  """
+  shown = [s for s in sections if s.key != "overhead" and any(m.round_step_s for m in s.results)]
+  if not shown:
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(len(shown), 2, figsize=(13, 3.6 * len(shown)), squeeze=False)
+  for row, s in zip(axes, shown):
+    timed = [m for m in s.results if m.round_step_s]
+    base = (_baseline(timed, "jaxamp", "float32") or _baseline(timed, "jax.numpy", "float32")
+            or timed[0])
+    labels = [f"{m.policy}\n{m.impl}" for m in timed]
+    colors = [_COLORS.get(m.impl, "#333333") for m in timed]
+    speed = [base.step_s / m.step_s for m in timed]
+    row[0].bar(range(len(timed)), speed, color=colors)
+    row[0].axhline(1.0, color="black", linewidth=0.8)
+    row[0].set_ylabel(f"speed vs {base.impl} {base.policy}")
+    row[0].set_title(f"{s.title}: speed (higher is faster)", fontsize=10)
+    peak = [m.memory.get("peak", 0) / 2**20 for m in timed]
+    row[1].bar(range(len(timed)), peak, color=colors)
+    row[1].set_ylabel("XLA peak MiB")
+    row[1].set_title(f"{s.title}: compiled memory", fontsize=10)
+    for ax in row:
+      ax.set_xticks(range(len(timed)))
+      ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+  where = (f"{info['cpu']}, {info['cpu_cores']} cores" if info["backend"] == "cpu"
+           else f"{info['device']} × {info['device_count']}")
+  fig.suptitle(f"jaxamp benchmarks — {info['backend']}: {where}, {info['date']}", fontsize=11)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True

@@ -1,0 +1,225 @@
+"""Smoke tests: each example's ``main`` and the benchmark harness, at tiny sizes.
+
+They check what the runs report (loss-scale trajectories against the update rule,
+which matmuls run in half precision, that the Keras and hand-written twins have the
+same matmul FLOPs as the jaxamp model), never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@functools.cache
+def _load(name: str):
+  """Imports ``examples/NAME.py`` (registered first: Linen's dataclasses look it up)."""
+  path = ROOT / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(autouse=True)
+def _quiet_float16():
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*float16.*", category=RuntimeWarning)
+    yield
+
+
+@pytest.mark.parametrize("name,flag", [("char_lm", "--growth-interval"),
+                                       ("resnet", "--opt-level"), ("digits", "--policy")])
+def test_help(name, flag, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _load(name).main(["--help"])
+  assert exit_info.value.code == 0
+  assert flag in capsys.readouterr().out
+
+
+# --- char_lm ------------------------------------------------------------------------------
+
+
+def test_char_lm_corpus_is_the_standard_library():
+  char_lm = _load("char_lm")
+  data = char_lm.load_corpus(3000)
+  import sysconfig  # pylint: disable=g-import-not-at-top
+  first = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+  expected = b"".join(p.read_bytes() for p in first[:5])[:3000]
+  assert data.dtype == np.uint8 and data.tobytes() == expected
+
+
+def test_char_lm_float16_run_follows_the_loss_scale_rule(tmp_path):
+  char_lm = _load("char_lm")
+  plot = tmp_path / "lm.png"
+  steps, interval = 14, 3
+  results = char_lm.main([
+      "--policy", "mixed_float16", "--steps", str(steps), "--batch-size", "4",
+      "--seq-len", "16", "--dim", "16", "--heads", "2", "--layers", "1",
+      "--corpus-bytes", "20000", "--val-batches", "1", "--lr", "1e-2",
+      "--growth-interval", str(interval), "--plot", str(plot), "--no-progress"])
+  r = results["mixed_float16"]
+  assert len(r["losses"]) == len(r["scales"]) == steps
+  # Replay torch's GradScaler rule from Keras' initial scale on the recorded overflows.
+  scale, count, expected = 2.0**15, 0, []
+  for finite in r["finite"]:
+    if finite:
+      count += 1
+      if count == interval:
+        scale, count = scale * 2, 0
+    else:
+      scale, count = scale / 2, 0
+    expected.append(scale)
+  assert r["scales"] == expected
+  assert r["skipped"] == r["finite"].count(False)
+  assert max(r["scales"]) > 2.0**15  # the growth interval reached the optimizer
+  assert np.mean(r["losses"][-3:]) < r["losses"][0]  # it learns (ln 256 = 5.55 at start)
+  assert math.isfinite(r["val_loss"]) and r["val_loss"] < math.log(256)
+  assert plot.read_bytes()[:8] == PNG_MAGIC
+
+
+# --- resnet ---------------------------------------------------------------------------------
+
+_TINY_RESNET = ["--stage-sizes", "1", "--width", "4", "--image-size", "16", "--batch-size",
+                "2", "--num-classes", "10", "--steps", "2", "--warmup", "1"]
+
+
+def test_resnet_autocast_opt_level_trains():
+  results = _load("resnet").main(["--opt-level", "O1", *_TINY_RESNET])
+  r = results["O1"]
+  assert r["images_per_s"] > 0 and math.isfinite(r["loss"])
+  assert r["loss"] < r["first_loss"]  # 4 steps on one batch: it fits
+  assert r["scale"] == 2.0**15 and r["skipped"] == 0
+
+
+@functools.cache
+def _tiny_resnet():
+  resnet = _load("resnet")
+  model = resnet.ResNet((1,), 4, 10)
+  args = type("Args", (), {"lr": 0.1, "half": "float16", "batch_size": 2, "image_size": 16,
+                           "num_classes": 10, "seed": 0})()
+  batch = resnet.synthetic_batch(args)
+  variables = jax.jit(lambda k, x: model.init(k, x, train=False))(jax.random.key(0),
+                                                                  batch["image"])
+  return model, args, batch, variables
+
+
+@pytest.mark.parametrize("level,half_share,param_dtype,master,scale", [
+    ("O0", 0.0, jnp.float32, False, 1.0), ("O1", 1.0, jnp.float32, False, 2.0**15),
+    ("O2", 1.0, jnp.float16, True, 2.0**15), ("O3", 1.0, jnp.float16, False, 1.0)])
+def test_resnet_opt_level_steps(level, half_share, param_dtype, master, scale):
+  model, args, batch, variables = _tiny_resnet()
+  step, state = _load("resnet").build(level, model, jax.tree.map(jnp.copy, variables), args)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # residuals of a whole step: n/a
+    report = jaxamp.precision_report(step, state, batch)
+  # Every convolution and the head's matmul, forward and backward: float16 or none.
+  assert report.half_share == half_share
+  assert {str(l.dtype) for l in jax.tree.leaves(state.params)} == {np.dtype(param_dtype).name}
+  assert isinstance(state.opt_state, jaxamp.MasterWeightsState) == master
+  # Dynamic loss scaling exactly where Apex has it: O1 and O2.
+  assert float(jaxamp.get_loss_scale(state.opt_state)) == scale
+
+
+# --- the benchmark harness ----------------------------------------------------------------------
+
+
+def _benchmarks():
+  sys.path.insert(0, str(ROOT))
+  try:
+    import benchmarks.run  # pylint: disable=g-import-not-at-top
+    return benchmarks
+  finally:
+    sys.path.remove(str(ROOT))
+
+
+def test_benchmark_harness_smoke(tmp_path):
+  out = _benchmarks().run.main([
+      "--size", "smoke", "--out", str(tmp_path), "--policies", "mixed_float16",
+      "--impls", "jaxamp", "--only", "lm", "matmul", "overhead", "--warmup", "1",
+      "--rounds", "2", "--steps", "1"])
+  (m,) = out["sections"]["lm"].results
+  assert (m.impl, m.policy, m.error) == ("jaxamp", "mixed_float16", None)
+  assert len(m.round_step_s) == 2 and all(t > 0 for t in m.round_step_s)
+  assert m.memory["peak"] > 0 and m.compile_s > 0 and m.residual_bytes > 0
+  assert m.half_share == 1.0
+
+  matmul = {m.policy: m for m in out["sections"]["matmul"].results}
+  assert list(matmul) == ["float16", "mixed_float16"]
+  assert matmul["float16"].matmul_flops == 2 * 128**3
+  assert matmul["float16"].half_share == matmul["mixed_float16"].half_share == 1.0
+
+  overhead = out["sections"]["overhead"].results
+  assert [(m.impl, m.policy) for m in overhead] == [("jaxamp", "mixed_float16"),
+                                                    ("hand-written Flax", "mixed_float16")]
+  assert all(len(m.round_step_s) == 2 for m in overhead)
+
+  text = (tmp_path / "RESULTS.md").read_text()
+  assert out["machine"]["cpu"] in text and f"jax / jaxlib | {jax.__version__}" in text
+  lines = text.split("## Transformer LM")[1].split("\n## ")[0].splitlines()
+  header = next(line for line in lines if line.startswith("| implementation"))
+  row = next(line for line in lines if line.startswith("| jaxamp | mixed_float16 |"))
+  cells = dict(zip(header.split(" | "), row.split(" | ")))
+  # Every cell measured; the ratio to a float32 run that was not made does not apply.
+  assert "n/a" not in cells.values() and cells["× vs float32"] == "—"
+  assert cells["half-precision matmul FLOPs %"] == "100.0"
+  assert "Worst ratio" in text and "| mixed_float16 |" in text.split("## Overhead")[1]
+  data = json.loads((tmp_path / "results.json").read_text())
+  assert data["machine"]["backend"] == jax.default_backend()
+  assert data["sections"]["lm"]["results"][0]["half_share"] == 1.0
+  assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("model", ["lm", "resnet"])
+def test_benchmark_twins_agree(model):
+  """jaxamp's, the hand-written and the Keras model are one architecture (the same matmul
+  FLOPs, forward and backward), and all three compute every matmul in bfloat16."""
+  bench = _benchmarks()
+  try:
+    bench.models.import_keras()
+    impls = bench.candidates.IMPLS
+  except ImportError:
+    impls = ("jaxamp", "hand-written Flax")
+  if model == "lm":
+    cfg = bench.models.LMConfig(vocab=64, dim=32, heads=2, layers=1, seq_len=16, batch=4)
+    found = bench.candidates.lm_candidates(cfg, impls, policies=("mixed_bfloat16",))
+  else:
+    cfg = bench.models.ResNetConfig((1,), 4, 10, 16, 2)
+    found = bench.candidates.resnet_candidates(cfg, impls, policies=("mixed_bfloat16",))
+  assert tuple(c.impl for c in found) == impls
+  reports = [c.report() for c in found]  # lowering only: nothing compiles
+  assert [r.half_share for r in reports] == [1.0] * len(impls)
+  assert len({r.total_flops for r in reports}) == 1 and reports[0].total_flops > 0
+  if "Keras 3" not in impls:
+    pytest.skip("keras is not installed: checked jaxamp against the hand-written model only")
+
+
+# --- the main job ---------------------------------------------------------------------------------
+
+
+def test_digits_mixed_policies_reach_float32_accuracy():
+  # The README's main job as it runs there (30 epochs, all three policies, ~15 s on 2 cores).
+  results = _load("digits").main(["--no-progress"])
+  assert set(results) == {"float32", "mixed_bfloat16", "mixed_float16"}
+  assert results["float32"]["accuracy"] > 95.0
+  for policy in ("mixed_bfloat16", "mixed_float16"):
+    assert results[policy]["accuracy"] >= results["float32"]["accuracy"] - 0.5, results
+  assert results["mixed_float16"]["scale"] >= 2.0**15  # dynamic scaling was inserted
+  assert results["mixed_bfloat16"]["scale"] == results["float32"]["scale"] == 1.0
+  assert all(r["skipped"] == 0 for r in results.values())
