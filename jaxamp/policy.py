@@ -88,6 +88,8 @@ def _grammar() -> str:
 
 
 def _to_dtype(value: Any, what: str) -> np.dtype:
+  if value is None:
+    raise ValueError(f"{what} must be a floating dtype, got None.")
   try:
     dtype = np.dtype(value)
   except TypeError as e:
@@ -249,6 +251,8 @@ def get_policy(spec: PolicyLike) -> Policy:
   """
   if isinstance(spec, Policy):
     return spec
+  if spec is None:  # np.dtype(None) would quietly mean float64
+    raise ValueError(f"Cannot make a policy from None. {_grammar()}")
   if isinstance(spec, str):
     return _parse_string(spec)
   if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):

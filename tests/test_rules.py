@@ -1,0 +1,111 @@
+"""Tests for jaxamp.rules: class and path rules, precedence, defaults, scoped rules."""
+
+import re
+
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import jaxamp
+from jaxamp.rules import _glob_to_regex
+
+F32 = jaxamp.get_policy("float32")
+BF16 = jaxamp.get_policy("mixed_bfloat16")
+
+
+class MyLinear(nnx.Linear):
+  pass
+
+
+class MyLinearChild(MyLinear):
+  pass
+
+
+@pytest.mark.parametrize("pattern,path,matches", [
+    ("blocks/*/attn", "blocks/0/attn", True),
+    ("blocks/*/attn", "blocks/0/mlp/attn", False),
+    ("blocks/*", "blocks", False),
+    ("blocks/**", "blocks", True),
+    ("blocks/**", "blocks/3/mlp/up", True),
+    ("**/attn", "attn", True),
+    ("**/attn", "encoder/blocks/2/attn", True),
+    ("**/attn", "encoder/blocks/2/attn_out", False),
+    ("a/**/b", "a/b", True),
+    ("a/**/b", "a/x/y/b", True),
+    ("block_*", "block_12", True),
+    ("block_?", "block_12", False),
+    ("head", "head", True),
+    ("head", "lm_head", False),
+    ("a.b", "axb", False),
+])
+def test_glob_semantics(pattern, path, matches):
+  assert bool(_glob_to_regex(pattern).fullmatch(path)) == matches
+
+
+def test_class_rules_cover_subclasses_and_the_most_specific_wins():
+  with jaxamp.policy_rules({nnx.Linear: "mixed_float16", MyLinear: "bfloat16"}):
+    assert jaxamp.resolve_policy(nnx.Linear, "x", F32).name == "mixed_float16"
+    assert jaxamp.resolve_policy(MyLinear, "x", F32).name == "bfloat16"
+    assert jaxamp.resolve_policy(MyLinearChild, "x", F32).name == "bfloat16"
+    assert jaxamp.resolve_policy(nnx.Conv, "x", F32) == F32  # no rule: enclosing
+
+
+def test_path_rules_beat_class_rules_beat_enclosing():
+  with jaxamp.policy_rules({nnx.Linear: "mixed_float16", "blocks/*/head": "float32",
+                            re.compile(r"enc/\d+"): "bfloat16"}):
+    assert jaxamp.resolve_policy(nnx.Linear, "blocks/1/head", BF16) == F32
+    assert jaxamp.resolve_policy(nnx.Linear, ("blocks", 1, "up"), BF16).name == "mixed_float16"
+    assert jaxamp.resolve_policy(nnx.Conv, "enc/12", F32).name == "bfloat16"
+    assert jaxamp.resolve_policy(nnx.Conv, "enc/x", F32) == F32
+
+
+def test_latest_path_rule_wins_and_resetting_moves_it_last():
+  with jaxamp.policy_rules():
+    jaxamp.set_policy("**/head", "float32")
+    jaxamp.set_policy("blocks/**", "mixed_float16")
+    assert jaxamp.resolve_policy(nnx.Linear, "blocks/head", BF16).name == "mixed_float16"
+    jaxamp.set_policy("**/head", "float32")
+    assert jaxamp.resolve_policy(nnx.Linear, "blocks/head", BF16) == F32
+
+
+@pytest.mark.parametrize("norm", jaxamp.NORM_CLASSES)
+def test_norm_defaults_compute_float32_and_return_the_enclosing_compute_dtype(norm):
+  p = jaxamp.resolve_policy(norm, "ln", BF16)
+  assert p.name == "params=float32,compute=float32,output=bfloat16"
+  assert jaxamp.resolve_policy(norm, "ln", F32) == F32
+
+
+def test_defaults_can_be_overridden_and_are_restored():
+  with jaxamp.policy_rules({nnx.LayerNorm: None, nn.BatchNorm: "mixed_float16"}):
+    assert jaxamp.resolve_policy(nnx.LayerNorm, "ln", BF16) == BF16
+    assert jaxamp.resolve_policy(nn.BatchNorm, "bn", F32).name == "mixed_float16"
+  assert jaxamp.resolve_policy(nnx.LayerNorm, "ln", BF16).compute_dtype.name == "float32"
+
+
+def test_callable_rules_see_the_enclosing_policy():
+  with jaxamp.policy_rules({"head": lambda enclosing: enclosing.with_output_dtype("float32")}):
+    assert jaxamp.resolve_policy(nnx.Linear, "head", BF16).name == (
+        "params=float32,compute=bfloat16,output=float32")
+
+
+def test_clear_policies_keeps_defaults_and_scopes_undo_everything():
+  with jaxamp.policy_rules({"a": "float32"}):
+    jaxamp.set_policy(nnx.Linear, "bfloat16")
+    jaxamp.clear_policies()
+    assert jaxamp.resolve_policy(nnx.Linear, "a", BF16) == BF16
+    assert jaxamp.resolve_policy(nnx.RMSNorm, "n", BF16).compute_dtype.name == "float32"
+    jaxamp.set_policy("b", "float16")
+  assert jaxamp.resolve_policy(nnx.Linear, "b", F32) == F32
+  with pytest.raises(RuntimeError):
+    with jaxamp.policy_rules({"x": "float16"}):
+      raise RuntimeError
+  assert jaxamp.resolve_policy(nnx.Linear, "x", F32) == F32
+
+
+def test_bad_rules_are_named():
+  with pytest.raises(ValueError, match="module class, a glob path pattern"):
+    jaxamp.set_policy(42, "float32")
+  with pytest.raises(ValueError, match="must not be empty"):
+    jaxamp.set_policy("/", "float32")
+  with pytest.raises(ValueError, match="mixed_bfloat16"):
+    jaxamp.set_policy("head", "mixed_int4")
