@@ -123,7 +123,7 @@ def _matmul_section(size: Size, policies, args) -> report.Section:
       "matmul", f"Matmul {n}×{n} @ {n}×{n}",
       f"One `a @ b` of two {n}×{n} matrices ({2 * n**3 / 1e9:.3g} GFLOP). `jax.numpy` rows "
       "get inputs already in the dtype; `jaxamp.autocast` rows get float32 inputs and "
-      "cast them (accumulating in float32).",
+      "cast them (the result is in the half dtype; XLA chooses the accumulation type).",
       results)
 
 

@@ -54,5 +54,9 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   Returns:
     ``tree`` with its floating leaves cast to ``dtype``.
   """
+  if dtype is None:  # np.dtype(None) would quietly mean float64
+    raise ValueError("cast_floating needs a floating dtype, got None.")
   dtype = np.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"cast_floating casts to a floating dtype, got {dtype}.")
   return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)

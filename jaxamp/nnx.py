@@ -495,7 +495,10 @@ class PolicyModule(nnx.Module):
   It holds ``module`` itself (not a copy), so ``nnx.split``, ``nnx.jit``, ``nnx.grad``
   and ``nnx.Optimizer`` accept it and its Variables are the model's. Calling it, or
   any public method of ``module`` through it (``amp.generate(...)``), runs under the
-  policy; rule paths are relative to ``module``. Make it with :func:`with_policy`.
+  policy; rule paths are relative to ``module``. Submodules reached through it
+  (``amp.head``, ``amp.blocks[0]``) are views that run under the whole model's policies
+  too and share its Variables; ``amp.module.head`` is the plain submodule. Make it with
+  :func:`with_policy`.
 
   Attributes:
     module: the wrapped model.
@@ -540,7 +543,52 @@ class PolicyModule(nnx.Module):
     value = getattr(model, name)
     if inspect.ismethod(value) and value.__self__ is model:
       return functools.partial(self._call, name)
+    if isinstance(value, nnx.Module):
+      return _SubmoduleView(self, value)
     return value
+
+
+class _SubmoduleView:
+  """A submodule reached through a :class:`PolicyModule` (``amp.head``, ``amp.blocks[0]``).
+
+  Calling it, or one of its methods, runs under the whole model's policies, so path rules
+  still count from the model's root.
+  """
+
+  def __init__(self, root: PolicyModule, module: nnx.Module):
+    self._root = root
+    self._module = module
+
+  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    root = self._root
+    with _applied(root.module, _Call(root._model_policy(), root.recompute_norms)):
+      return getattr(self._module, name)(*args, **kwargs)
+
+  def _wrap(self, value: Any) -> Any:
+    return _SubmoduleView(self._root, value) if isinstance(value, nnx.Module) else value
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._run("__call__", args, kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("_"):
+      raise AttributeError(name)
+    value = getattr(self._module, name)
+    if inspect.ismethod(value) and value.__self__ is self._module:
+      return lambda *args, **kwargs: self._run(name, args, kwargs)
+    return self._wrap(value)
+
+  def __getitem__(self, key: Any) -> Any:
+    return self._wrap(self._module[key])
+
+  def __iter__(self) -> Any:
+    return (self._wrap(m) for m in self._module)
+
+  def __len__(self) -> int:
+    return len(self._module)
+
+  def __repr__(self) -> str:
+    return f"_SubmoduleView({type(self._module).__name__})"
 
 
 def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,

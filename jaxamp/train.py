@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -54,6 +56,7 @@ from flax import nnx
 
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating
+from jaxamp import policy as policy_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import NORM_CLASSES, policy_rules
 
@@ -104,6 +107,10 @@ def abstract_state(state: TrainState) -> TrainState:
   return jax.eval_shape(lambda s: s, state)
 
 
+def _is_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _path_name(path: tuple[Any, ...]) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                   for k in path)
@@ -119,10 +126,12 @@ class _Float32Outputs:
     return cast_floating(self.module(*args, **kwargs), _F32)
 
   def __getattr__(self, name: str) -> Any:
+    # Submodules and methods come from the policy wrapper, so they run under the policy;
+    # only the model's own outputs are handed over in float32.
     attr = getattr(self.module, name)
-    if not callable(attr) or isinstance(attr, nnx.Module):
-      return attr
-    return lambda *a, **k: cast_floating(attr(*a, **k), _F32)
+    if isinstance(attr, functools.partial) or inspect.ismethod(attr):
+      return lambda *a, **k: cast_floating(attr(*a, **k), _F32)
+    return attr
 
 
 # --- model adapters: how a model is split into state and called from the state --------
@@ -211,6 +220,10 @@ class TrainStep:
     self.mesh = mesh
     self.batch_axis = batch_axis
     self.donate = donate
+    if grad_reduce_dtype is None or not jnp.issubdtype(np.dtype(grad_reduce_dtype),
+                                                        jnp.floating):
+      raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
+                       f"float16), got {grad_reduce_dtype!r}.")
     self.grad_reduce_dtype = np.dtype(grad_reduce_dtype)
     half_params = policy.param_dtype != _F32 and policy.param_dtype.itemsize < 4
     self.master_weights = half_params if master_weights is None else master_weights
@@ -378,9 +391,15 @@ class TrainStep:
     axis = self.batch_axis
 
     def local(params, model_state, batch, rng, scale):
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-      out = self._loss_and_grads(params, model_state, batch, rng, scale)
-      return self._reduce(*out)
+      index = jax.lax.axis_index(axis)
+      rng = jax.random.fold_in(rng, index)
+      # Each device draws its own dropout masks: fold its index into the key streams the
+      # model carries (NNX Rngs), then hand back the shared keys.
+      keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
+                          model_state)
+      grads, loss, aux, new_state = self._loss_and_grads(params, keys, batch, rng, scale)
+      new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
+      return self._reduce(grads, loss, aux, new_state)
 
     sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(axis), P(), P()),
                             out_specs=P(), check_vma=False)
@@ -521,6 +540,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     if master_weights is None:
       master_weights = level.master_weights
   policy = global_policy() if policy is None else get_policy(policy)
+  policy_lib._warn_if_slow(level.policy if level is not None else policy, stacklevel=3)
   return TrainStep(loss_fn, optimizer, policy=policy, has_aux=has_aux,
                    grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis,
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,

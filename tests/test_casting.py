@@ -30,3 +30,12 @@ def test_shape_structs_change_dtype_and_keep_shape():
   assert out["s"].shape == (2, 3) and out["s"].dtype == jnp.float16
   assert out["i"].dtype == jnp.int32
   assert is_floating_array(s) and not is_floating_array(out["i"]) and not is_floating_array(1.0)
+
+
+def test_none_and_non_floating_targets_are_refused():
+  import pytest
+
+  with pytest.raises(ValueError, match="got None"):
+    cast_floating(jnp.ones(2), None)  # np.dtype(None) would be float64
+  with pytest.raises(ValueError, match="floating dtype, got int32"):
+    cast_floating(jnp.ones(2), jnp.int32)

@@ -228,10 +228,12 @@ def test_later_elements_see_unscaled_gradients():
   scale = 2.0**10
   scaled = jax.tree.map(lambda g: g * scale, true_grads)
   opt = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=scale), _spy(),
-                    optax.clip_by_global_norm(5.0))
+                    optax.clip_by_global_norm(10.0))
   updates, state = jax.jit(opt.update)(scaled, opt.init(true_grads))
   np.testing.assert_array_equal(state[1].seen["w"], true_grads["w"])
-  np.testing.assert_array_equal(updates["w"], true_grads["w"])  # at the norm: not clipped
+  # Norm 5 < 10: left alone. Had clipping seen the scaled norm (5120) it would have cut
+  # the gradients to norm 10, i.e. [6, 8].
+  np.testing.assert_array_equal(updates["w"], true_grads["w"])
 
 
 def test_multisteps_updates_the_scale_once_per_accumulated_step():

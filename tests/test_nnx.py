@@ -261,7 +261,10 @@ def test_forwarded_methods_run_under_the_policy():
   amp = with_policy(Model(nnx.Rngs(0)), "mixed_bfloat16")
   assert amp.project(jnp.ones((1, 4))).dtype == BF16
   assert matmul_dtypes(lambda x: amp.project(x), jnp.ones((1, 4))) == {("bfloat16", "bfloat16")}
-  assert isinstance(amp.lin, nnx.Linear)  # attributes are the model's
+  # Submodules come back as views that run under the policy and share the Variables.
+  assert amp.lin(jnp.ones((1, 4))).dtype == BF16
+  assert amp.lin.kernel is amp.module.lin.kernel
+  assert isinstance(amp.module.lin, nnx.Linear)  # the plain module is still at hand
 
 
 # --- rules: classes, paths, precedence, defaults -----------------------------------------
@@ -581,3 +584,19 @@ def test_half_dot_product_attention_matches_flax():
   report = jaxamp.precision_report(loss(half, dtype=BF16), q, backward=True)
   # Two forward matmuls; for q's gradient, the probabilities' (from v) and the logits'.
   assert report.half_share == 1.0 and len(report.ops) == 4
+
+
+def test_submodules_reached_through_the_wrapper_run_under_the_policy():
+  model = TransformerLM(vocab=16, d=8, heads=2, hidden=16, layers=2, max_len=8,
+                        rngs=nnx.Rngs(0))
+  amp = jaxamp.nnx.with_policy(model, "mixed_bfloat16")
+  x = jnp.ones((2, 4, 8))
+  assert amp.head(x).dtype == jnp.bfloat16
+  assert amp.embed.attend(x).dtype == jnp.bfloat16
+  assert [b(x).dtype for b in amp.blocks] == [jnp.bfloat16, jnp.bfloat16]
+  assert len(amp.blocks) == 2 and amp.blocks[1].ln1(x).dtype == jnp.bfloat16
+  with jaxamp.policy_rules({"blocks/1": "float32"}):  # paths still count from the root
+    assert amp.blocks[1].mlp.up(x).dtype == jnp.float32
+    assert amp.blocks[0].mlp.up(x).dtype == jnp.bfloat16
+  assert model.head.kernel.get_value().dtype == jnp.float32
+  assert model.head(x).dtype == jnp.float32  # the model itself is untouched
