@@ -269,7 +269,8 @@ def resnet_candidates(cfg: models.ResNetConfig, impls: Sequence[str] = IMPLS,
 def matmul_candidates(n: int, policies: Sequence[str] = MATMUL_POLICIES,
                       seed: int = 0) -> list[Candidate]:
   """``(n, n) @ (n, n)``: pure dtypes on inputs already cast, and ``mixed_*`` through
-  :func:`jaxamp.autocast` on float32 inputs (it casts them to the half dtype and asks for a half-precision result; XLA chooses the accumulation type)."""
+  :func:`jaxamp.autocast` on float32 inputs (it casts them to the half dtype and asks
+  for a half-precision result; XLA chooses the accumulation type)."""
   k1, k2 = jax.random.split(jax.random.key(seed))
   a32 = jax.random.normal(k1, (n, n), jnp.float32)
   b32 = jax.random.normal(k2, (n, n), jnp.float32)

@@ -16,8 +16,10 @@ O3    half                             None         False    False              
 
 O1 runs the float32 model through :func:`jaxamp.autocast` (op lists decide each
 primitive's precision, norms decompose into float32 primitives); O2 runs half-precision
-modules, keeps norm layers in float32 and updates float32 master weights; O3 is pure
-half precision. With ``half=jnp.bfloat16`` no level scales the loss (bfloat16 has
+modules, keeps norm layers computing in float32 and updates float32 master weights; O3 is
+pure half precision. Unlike Apex O2, which stores BatchNorm weights in float32, O2 here
+stores every parameter (norm scales included) in the half dtype; norms still compute in
+float32 and the float32 master copy is what the optimizer updates. With ``half=jnp.bfloat16`` no level scales the loss (bfloat16 has
 float32's range). Keyword overrides replace fields, as in Apex.
 
 Example:

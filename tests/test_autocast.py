@@ -252,6 +252,27 @@ def test_nnx_same_profile_as_module_policy():
   assert _rel_err(grads, ref) < 3e-2
 
 
+def test_nnx_autocast_profile_matches_jaxamp_module_policies():
+  x = jax.random.normal(jax.random.key(0), (2, 4, 16))
+  graphdef, state = nnx.split(NNXNet(nnx.Rngs(0)))
+
+  def plain(state, x):
+    return jnp.mean(nnx.merge(graphdef, state)(x).astype(F32) ** 2)
+
+  def module_policy(state, x):
+    model = jaxamp.nnx.with_policy(nnx.merge(graphdef, state), "mixed_bfloat16")
+    return jnp.mean(model(x).astype(F32) ** 2)
+
+  auto = jaxamp.autocast(plain, "mixed_bfloat16")
+  for backward in (False, True):
+    by_op = jaxamp.precision_report(auto, state, x, backward=backward)
+    by_module = jaxamp.precision_report(module_policy, state, x, backward=backward)
+    assert by_op.total_flops == by_module.total_flops  # the same matmuls...
+    assert by_op.half_share >= 0.99 and by_module.half_share >= 0.99  # ...in half precision
+    assert abs(by_op.half_share - by_module.half_share) <= 0.01
+  np.testing.assert_allclose(float(auto(state, x)), float(module_policy(state, x)), rtol=3e-2)
+
+
 def test_nnx_state_updates_returned():
   model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
