@@ -315,6 +315,13 @@ def no_loss_scale() -> optax.GradientTransformation:
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`LossScaleState`
     with ``scale`` fixed at 1.0.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> tx = jaxamp.no_loss_scale()
+    >>> updates, state = tx.update({'w': jnp.array([jnp.nan, 1.0])}, tx.init(None))
+    >>> updates['w'].tolist(), int(state.overflow_steps), float(state.scale)
+    ([0.0, 0.0], 1, 1.0)
   """
   return _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0, unscale=False)
 
@@ -330,8 +337,22 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
   Looks through any nesting (``optax.chain``, ``inject_hyperparams``,
   :func:`skip_nonfinite`, ``MultiSteps``).
 
+  Args:
+    opt_state: an optimizer state (any pytree).
+
+  Returns:
+    The scale as a float32 scalar ``jax.Array``.
+
   Raises:
     ValueError: ``opt_state`` holds more than one :class:`LossScaleState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = optax.chain(jaxamp.dynamic_loss_scale(), optax.sgd(0.1))
+    >>> float(jaxamp.get_loss_scale(tx.init({'w': jnp.ones(2)})))
+    32768.0
+    >>> float(jaxamp.get_loss_scale(optax.sgd(0.1).init({'w': jnp.ones(2)})))
+    1.0
   """
   states = _loss_scale_states(opt_state)
   if not states:
@@ -365,6 +386,12 @@ def loss_scale_for(policy: PolicyLike) -> optax.GradientTransformation:
 
   Returns:
     ``dynamic_loss_scale()`` if the compute dtype is float16, else ``no_loss_scale()``.
+
+  Example:
+    >>> import jaxamp
+    >>> [float(jaxamp.loss_scale_for(p).init(None).scale)
+    ...  for p in ('mixed_float16', 'mixed_bfloat16')]
+    [32768.0, 1.0]
   """
   if get_policy(policy).compute_dtype == np.dtype(jnp.float16):
     return dynamic_loss_scale()

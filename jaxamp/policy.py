@@ -332,7 +332,13 @@ def set_global_policy(spec: PolicyLike) -> None:
 
 
 def global_policy() -> Policy:
-  """The policy in force: the innermost :func:`policy_scope` of this thread, else the global."""
+  """The policy in force: the innermost :func:`policy_scope` of this thread, else the global.
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.global_policy().name
+    'float32'
+  """
   stack = _stack()
   return stack[-1] if stack else _global
 

@@ -169,7 +169,16 @@ def set_policy(target: Target, spec: RuleSpec | None) -> None:
 
 
 def clear_policies() -> None:
-  """Removes every rule set by users and restores the defaults (float32 norms)."""
+  """Removes every rule set by users and restores the defaults (float32 norms).
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> jaxamp.set_policy(nnx.Linear, 'bfloat16')
+    >>> jaxamp.clear_policies()
+    >>> jaxamp.resolve_policy(nnx.Linear, 'l', 'float32').name
+    'float32'
+  """
   with _lock:
     _rules.clear()
     _rules.update(_defaults())

@@ -103,7 +103,19 @@ class MasterWeightsState(NamedTuple):
 
 
 def abstract_state(state: TrainState) -> TrainState:
-  """The shape/dtype/sharding skeleton of ``state``, the target for an orbax restore."""
+  """The shape/dtype/sharding skeleton of ``state``, the target for an orbax restore.
+
+  Args:
+    state: a :class:`TrainState` (or any pytree of arrays).
+
+  Returns:
+    The same structure with ``jax.ShapeDtypeStruct`` leaves.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> jaxamp.abstract_state({'w': jnp.ones((2, 3))})['w'].shape
+    (2, 3)
+  """
   return jax.eval_shape(lambda s: s, state)
 
 
