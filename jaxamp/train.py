@@ -288,10 +288,19 @@ class TrainStep:
     return state
 
   def _build_optimizer(self, params: Any) -> optax.GradientTransformation:
-    found = optax.tree_utils.tree_get(jax.eval_shape(self._user_optimizer.init, params),
-                                      "LossScaleState")
+    shapes = jax.eval_shape(self._user_optimizer.init, params)
+    found = optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState")
+    for path, _ in found:
+      # An element before the loss scale in a chain (clipping, say) would see scaled
+      # gradients: torch's "clip before unscale" pitfall.
+      if any(isinstance(k, jax.tree_util.SequenceKey) and k.idx > 0 for k in path):
+        raise ValueError(
+            f"The loss-scale element sits at {jax.tree_util.keystr(path)} of the optimizer's "
+            "chain, after another element that would then see scaled gradients. Put it "
+            "first: optax.chain(jaxamp.dynamic_loss_scale(), optax.clip_by_global_norm(1.0), "
+            "optax.adamw(3e-4)).")
     tx = self._user_optimizer
-    if found is None:
+    if not found:
       scale = (self.level.make_loss_scale() if self.level is not None
                else _ls.loss_scale_for(self.policy))
       tx = optax.chain(scale, tx)

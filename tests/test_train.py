@@ -484,3 +484,13 @@ def test_float16_on_cpu_warns_once(monkeypatch):
 def test_grad_reduce_dtype_must_be_floating():
   with pytest.raises(ValueError, match="grad_reduce_dtype must be a floating dtype"):
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_reduce_dtype=None)
+
+
+def test_loss_scale_after_clipping_is_refused():
+  tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.dynamic_loss_scale(), optax.sgd(0.1))
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16")
+  with pytest.raises(ValueError, match="Put it first"):
+    init(train, "nnx", batchnorm=False)
+  nested = optax.chain(optax.chain(jaxamp.dynamic_loss_scale(4.0), optax.sgd(0.1)))
+  train = jaxamp.make_train_step(loss_fn, nested, policy="mixed_float16")
+  assert float(jaxamp.get_loss_scale(init(train, "nnx", batchnorm=False).opt_state)) == 4.0
