@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import PolicyLike
+from jaxamp.rules import path_name
 from jaxamp.summary import module_params
 
 __all__ = ["convert_for_inference"]
@@ -69,7 +70,7 @@ def _convert_linen(variables: Any, module: nn.Module, example_inputs: tuple[Any,
               for name, _ in leaves}
 
   def convert(path, leaf):
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    name = path_name(path)
     dtype = dtype_of[name]
     return leaf.astype(dtype) if is_floating_array(leaf) and leaf.dtype != dtype else leaf
 

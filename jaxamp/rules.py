@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -115,6 +116,7 @@ _GLOB_TOKENS = re.compile(r"\*\*/|/\*\*$|^\*\*$|\*|\?|/|[^*?/]+")
 _GLOB_REGEX = {"**/": "(?:[^/]+/)*", "/**": "(?:/[^/]+)*", "**": ".*", "*": "[^/]*", "?": "[^/]"}
 
 
+@functools.lru_cache(maxsize=None)
 def _glob_to_regex(pattern: str) -> re.Pattern[str]:
   """Translates a path glob: ``*`` and ``?`` stay within a segment, ``**`` spans segments."""
   return re.compile("".join(_GLOB_REGEX.get(tok) or re.escape(tok)
@@ -231,6 +233,18 @@ def _find_rule(cls: type, path: str) -> Rule | None:
       if rank < best_rank:
         best, best_rank = rule, rank
   return best
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+  """``'/'``-joins a pytree key path (dict keys, attribute names, sequence indices)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        k = getattr(k, attr)
+        break
+    parts.append(str(k))
+  return "/".join(parts)
 
 
 def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike) -> Policy:

@@ -23,6 +23,7 @@ from flax import linen as nn
 from flax import nnx
 
 from jaxamp.policy import Policy, PolicyLike
+from jaxamp.rules import path_name
 
 __all__ = ["summary", "Summary", "SummaryRow", "module_params"]
 
@@ -104,13 +105,6 @@ def _bytes(n: int) -> str:
   return str(n)
 
 
-def _key(k: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
   """Sort key putting parents before children and 'layers/2' before 'layers/10'."""
   if not path:
@@ -139,10 +133,9 @@ def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tu
   """
   groups: dict[str, list[tuple[str, Any]]] = {m: [] for m in module_paths}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [_key(k) for k in path]
-    if keys and keys[-1] == "value":  # nnx.Variable's own pytree child
-      keys = keys[:-1]
-    name = "/".join(keys)
+    name = path_name(path)
+    if name == "value" or name.endswith("/value"):  # nnx.Variable's own pytree child
+      name = name[:-len("value")].rstrip("/")
     groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
   return groups
 
