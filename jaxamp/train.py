@@ -58,7 +58,7 @@ from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating
 from jaxamp import policy as policy_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import NORM_CLASSES, policy_rules
+from jaxamp.rules import NORM_CLASSES, path_name, policy_rules
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
 
@@ -123,11 +123,6 @@ def _is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in path)
-
-
 class _Float32Outputs:
   """Calls a policy-wrapped model and hands its floating outputs over in float32."""
 
@@ -178,11 +173,13 @@ class _NNXAdapter:
 @dataclasses.dataclass
 class _LinenAdapter:
   module: Any
+  _wrapped: dict[Policy, Any] = dataclasses.field(default_factory=dict)
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
     from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
-    wrapped = amp_linen.with_policy(self.module, policy)
+    # One wrapper per policy, so its plan cache serves every trace (step and eval).
+    wrapped = self._wrapped.setdefault(policy, amp_linen.with_policy(self.module, policy))
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False
 
@@ -389,7 +386,9 @@ class TrainStep:
 
     (acc, model_state), (losses, auxes) = jax.lax.scan(body, (acc0, model_state),
                                                        (micro, jnp.arange(k)))
-    grads = jax.tree.map(lambda a: a / k, acc)
+    # Accumulated in float32; handed on in each parameter's gradient dtype, so the
+    # optimizer state keeps its dtypes (and the step its single trace).
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
                        else a[-1], auxes)
     return grads, jnp.mean(losses), aux, model_state
@@ -452,21 +451,20 @@ class TrainStep:
       grads32 = cast_floating(grads, _F32)
       updates, inner = self.optimizer.update(grads32, inner, master)
       master = optax.apply_updates(master, updates)
-      finite = optax.tree_utils.tree_get(inner, "LossScaleState").finite
-      master = _ls._select_tree(finite, master, state.opt_state.master_params)
+      ls_state = optax.tree_utils.tree_get(inner, "LossScaleState")
+      master = _ls._select_tree(ls_state.finite, master, state.opt_state.master_params)
       opt_state = MasterWeightsState(master, inner)
-      params = self.policy.cast_to_param(master)
-      params = jax.tree.map(lambda n, o: n.astype(o.dtype), params, state.params)
+      params = jax.tree.map(lambda n, o: n.astype(o.dtype), master, state.params)
     else:
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      finite = optax.tree_utils.tree_get(opt_state, "LossScaleState").finite
+      ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
+    finite = ls_state.finite
     # A skipped step leaves no trace but the loss scale: a run that overflows on batch k
     # ends where a run that never saw batch k ends.
     params = _ls._select_tree(finite, params, state.params)
     model_state = _ls._select_tree(finite, model_state, state.model_state)
     next_rng = jax.lax.select(finite, next_rng, state.rng)
-    ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     grad_norm = optax.tree.norm(cast_floating(grads, _F32)) / scale
     metrics: dict[str, Any] = {
         "loss": loss,
@@ -479,7 +477,7 @@ class TrainStep:
       leaves = jax.tree_util.tree_flatten_with_path(
           grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
       metrics["nonfinite_grads"] = {
-          _path_name(path): jnp.logical_not(_ls.all_finite(g)) for path, g in leaves}
+          path_name(path): jnp.logical_not(_ls.all_finite(g)) for path, g in leaves}
     if self.has_aux:
       if isinstance(aux, Mapping) and not set(aux) & set(metrics):
         metrics.update(aux)

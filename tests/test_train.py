@@ -494,3 +494,16 @@ def test_loss_scale_after_clipping_is_refused():
   nested = optax.chain(optax.chain(jaxamp.dynamic_loss_scale(4.0), optax.sgd(0.1)))
   train = jaxamp.make_train_step(loss_fn, nested, policy="mixed_float16")
   assert float(jaxamp.get_loss_scale(init(train, "nnx", batchnorm=False).opt_state)) == 4.0
+
+
+def test_grad_accumulation_keeps_half_gradient_dtypes():
+  # bfloat16 params without master weights: Adam's moments are bfloat16 and must stay so.
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="bfloat16",
+                                 master_weights=False, grad_accum_steps=2)
+  state = init(train, "nnx", batchnorm=False)
+  before = [x.dtype for x in jax.tree.leaves(state.opt_state)]
+  for b in make_batches(2):
+    state, _ = train.step(state, b)
+  assert [x.dtype for x in jax.tree.leaves(state.opt_state)] == before
+  assert jnp.dtype(jnp.bfloat16) in before
+  assert train.trace_count == 1
