@@ -69,7 +69,7 @@ from flax.core.scope import union_filters
 
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import resolve_policy
+from jaxamp.rules import resolve_policy, resolve_tree
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -129,11 +129,7 @@ def _enclosing(policies: Mapping[Path, Policy], path: Path) -> Policy:
 
 def _resolve(plan: _Plan, model_policy: Policy) -> dict[Path, Policy]:
   """Each module's policy, parents before children so the enclosing one is known."""
-  policies: dict[Path, Policy] = {}
-  for path, cls in sorted(plan.modules, key=lambda entry: len(entry[0])):
-    enclosing = model_policy if not path else _enclosing(policies, path)
-    policies[path] = resolve_policy(cls, path, enclosing)
-  return policies
+  return resolve_tree(plan.modules, model_policy)
 
 
 def _is_array_like(x: Any) -> bool:

@@ -80,8 +80,8 @@ import numpy as np
 from flax import nnx
 
 from jaxamp.casting import cast_floating, is_floating_array
-from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import resolve_policy
+from jaxamp.policy import _HALF, get_policy, global_policy, Policy, PolicyLike
+from jaxamp.rules import resolve_policy, resolve_tree
 
 __all__ = [
     "POLICY_METHODS",
@@ -99,7 +99,6 @@ POLICY_METHODS: dict[type, tuple[str, ...]] = {
 }
 
 _POLICY_ATTR = "_jaxamp_policy"
-_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _MISSING = object()
 
 
@@ -139,16 +138,7 @@ def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], A
   """(path, module, policy) for every module of ``model``, in ``nnx.iter_graph`` order."""
   modules = [(path, node) for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.Module)]
-  resolved: dict[tuple[Any, ...], Policy] = {}
-  for path, node in sorted(modules, key=lambda item: len(item[0])):  # parents first
-    if path:
-      parent = path[:-1]
-      while parent not in resolved:  # skip containers such as nnx.List
-        parent = parent[:-1]
-      enclosing = resolved[parent]
-    else:
-      enclosing = policy
-    resolved[path] = resolve_policy(_base_class(type(node)), path, enclosing)
+  resolved = resolve_tree([(path, _base_class(type(node))) for path, node in modules], policy)
   return [(path, node, resolved[path]) for path, node in modules]
 
 

@@ -40,7 +40,7 @@ import contextlib
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ __all__ = [
     "clear_policies",
     "policy_rules",
     "resolve_policy",
+    "resolve_tree",
     "NORM_CLASSES",
     "Rule",
 ]
@@ -233,6 +234,27 @@ def _find_rule(cls: type, path: str) -> Rule | None:
       if rank < best_rank:
         best, best_rank = rule, rank
   return best
+
+
+def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: PolicyLike
+                 ) -> dict[tuple[Any, ...], Policy]:
+  """Every module's policy, parents first, each inheriting from its nearest listed ancestor.
+
+  Args:
+    modules: ``(path, class)`` pairs, paths as key tuples; the root's path is ``()``.
+      Ancestors that are not listed (e.g. plain containers) are skipped over.
+    model_policy: the policy of the root (the model-level policy).
+
+  Returns:
+    ``{path: policy}`` for every listed module.
+  """
+  model_policy = get_policy(model_policy)
+  resolved: dict[tuple[Any, ...], Policy] = {}
+  for path, cls in sorted(modules, key=lambda entry: len(entry[0])):
+    enclosing = next((resolved[path[:n]] for n in range(len(path) - 1, -1, -1)
+                      if path[:n] in resolved), model_policy)
+    resolved[path] = resolve_policy(cls, path, enclosing)
+  return resolved
 
 
 def path_name(path: tuple[Any, ...]) -> str:
