@@ -47,7 +47,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from jaxamp.op_lists import DEFAULT_LISTS, AutocastLists
-from jaxamp.policy import PolicyLike, get_policy, global_policy
+from jaxamp.policy import _HALF, get_policy, global_policy, PolicyLike
 
 __all__ = ["autocast"]
 
@@ -57,7 +57,6 @@ _FLOAT32 = np.dtype(jnp.float32)
 # What the low-precision and float32 lists may cast: float64 is left alone (as torch
 # leaves double tensors), and so are 8-bit floats, which are quantized on purpose.
 _ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-_HALF = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
 class _Context(NamedTuple):

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Union
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp.policy import Policy, get_policy
+from jaxamp.policy import _HALF, get_policy, Policy
 
 __all__ = ["OPT_LEVELS", "LossScaleSpec", "OptLevel", "opt_level"]
 
@@ -52,7 +52,6 @@ OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
 LossScaleSpec = Union[str, float, None, Callable[[], Any]]
 
 _F32 = np.dtype(jnp.float32)
-_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 class OptLevel(NamedTuple):
