@@ -14,9 +14,11 @@ the same layers, shapes and initial-value scales, built under a Keras dtype poli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -242,13 +244,22 @@ def _keras_attention_layer(keras: Any) -> type:
   return KerasAttention
 
 
+@contextlib.contextmanager
+def _keras_dtype_policy(keras: Any, policy: str) -> Iterator[None]:
+  """Keras' global dtype policy set to ``policy`` while layers are built, then restored."""
+  previous = keras.config.dtype_policy()
+  keras.config.set_dtype_policy(policy)
+  try:
+    yield
+  finally:
+    keras.config.set_dtype_policy(previous)
+
+
 def keras_gpt(cfg: LMConfig, policy: str) -> Any:
   """The Keras functional twin of :class:`GPT`, built under the Keras dtype policy."""
   keras = import_keras()
   layers = keras.layers
-  previous = keras.config.dtype_policy()
-  keras.config.set_dtype_policy(policy)
-  try:
+  with _keras_dtype_policy(keras, policy):
     attention = _keras_attention_layer(keras)
     gelu = functools.partial(keras.activations.gelu, approximate=True)  # jax.nn.gelu's
     ids = keras.Input((cfg.seq_len,), batch_size=cfg.batch, dtype="int32")
@@ -261,17 +272,13 @@ def keras_gpt(cfg: LMConfig, policy: str) -> Any:
       x = x + layers.Dense(cfg.dim)(h)
     logits = layers.Dense(cfg.vocab)(layers.LayerNormalization(epsilon=1e-6)(x))
     return keras.Model(ids, logits)
-  finally:
-    keras.config.set_dtype_policy(previous)
 
 
 def keras_resnet(cfg: ResNetConfig, policy: str) -> Any:
   """The Keras functional twin of :class:`ResNet` (v1.5, no conv bias, same BatchNorm)."""
   keras = import_keras()
   layers = keras.layers
-  previous = keras.config.dtype_policy()
-  keras.config.set_dtype_policy(policy)
-  try:
+  with _keras_dtype_policy(keras, policy):
     def conv(filters, kernel, strides=1):
       return layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)
 
@@ -294,6 +301,4 @@ def keras_resnet(cfg: ResNetConfig, policy: str) -> Any:
         x = layers.ReLU()(layers.Add()([x, y]))
     x = layers.GlobalAveragePooling2D()(x)
     return keras.Model(images, layers.Dense(cfg.num_classes)(x))
-  finally:
-    keras.config.set_dtype_policy(previous)
 
