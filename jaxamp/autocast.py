@@ -381,6 +381,7 @@ _HIGHER_ORDER: dict[str, Callable[[Any, list[Any], _Context], list[Any]]] = {
     "jit": _inline_call,
     "closed_call": _inline_call,
     "call": _inline_call,
+    "eval_jaxpr": _inline_call,
     "remat2": _checkpoint,
     "scan": _control_flow("jaxpr"),
     "while": _control_flow("cond_jaxpr", "body_jaxpr"),

@@ -83,8 +83,8 @@ CATEGORIES: tuple[str, ...] = ("low_precision", "float32", "widest", "passthroug
 Rule = Callable[[Any], str]
 
 HIGHER_ORDER: frozenset[str] = frozenset({
-    # calls: inlined
-    "jit", "closed_call", "call",
+    # calls: inlined (jax 0.11 folds call/closed_call into eval_jaxpr)
+    "jit", "closed_call", "call", "eval_jaxpr",
     # rematerialisation (jax.checkpoint): re-wrapped in jax.checkpoint
     "remat2",
     # control flow: bodies autocast, operands and results at the traced dtypes
@@ -99,7 +99,7 @@ _LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_g
 
 _FLOAT32 = frozenset({
     # exponentials, logarithms, powers (torch: exp, expm1, log*, pow, rsqrt)
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "integer_pow", "square", "rsqrt",
     "reciprocal",
     # trigonometric and hyperbolic functions torch keeps in float32, and their inverses
     "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
@@ -122,12 +122,16 @@ _WIDEST = frozenset({
     # several arrays combined into one
     "clamp", "select_n", "concatenate", "stack", "pad", "dynamic_update_slice",
     "select_and_gather_add", "select_and_scatter_add", "ragged_all_to_all",
+    # Horner evaluation of x and its coefficients (jax >= 0.12: jnp.polyval)
+    "polynomial",
 })
 
 _PASSTHROUGH = frozenset({
     # elementwise functions fine in half precision (torch leaves them alone too)
     "abs", "neg", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt", "tanh",
     "logistic", "sin", "cos", "atan", "erf", "real", "imag", "conj", "reduce_precision",
+    # 1 - x**2 as (1 + x)(1 - x) (jax >= 0.11: tanh's derivative); exact enough in half
+    "one_minus_square",
     "convert_element_type", "stop_gradient", "copy", "zeros_like",
     # layout and indexing
     "broadcast_in_dim", "broadcast_to", "reshape", "squeeze", "transpose", "rev", "slice",

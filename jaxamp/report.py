@@ -16,14 +16,14 @@ Example:
   >>> import jaxamp
   >>> x = jnp.ones((4, 8), jnp.bfloat16)
   >>> w = jnp.ones((8, 16), jnp.bfloat16)
-  >>> report = jaxamp.precision_report(lambda x, w: jnp.tanh(x @ w).sum(), x, w)
+  >>> report = jaxamp.precision_report(lambda x, w: jnp.sin(x @ w).sum(), x, w)
   >>> report.total_flops, report.half_share
   (1024, 1.0)
   >>> print(report)
   op           lhs        rhs         out         count  FLOPs   share
   dot_general  bf16[4,8]  bf16[8,16]  bf16[4,16]      1  1.02K  100.0%
   half-precision share: 100.0% of 1.02K matmul FLOPs (1 ops, 2 casts between float types)
-  residuals: 256 B activations; 512 B with arguments
+  residuals: 128 B activations; 384 B with arguments
 
 The two casts are ``jnp.sum`` accumulating the bfloat16 values in float32.
 """
