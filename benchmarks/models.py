@@ -21,10 +21,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from examples.resnet import ResNet  # the example's model; its dtype= makes the hand-written twin
 
 Dtype = Any
 
@@ -143,51 +144,6 @@ def lm_batch(cfg: LMConfig, seed: int = 0) -> dict[str, jax.Array]:
 
 
 # --- ResNet v1.5 (Flax Linen) --------------------------------------------------------------
-
-
-class Bottleneck(nn.Module):
-  """1x1 -> 3x3 (strided) -> 1x1 convolutions with BatchNorm, and a projected shortcut."""
-
-  filters: int
-  strides: tuple[int, int] = (1, 1)
-  dtype: Dtype = None
-  train: bool = True
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype)
-    y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
-    y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(y)))
-    y = norm(scale_init=nn.initializers.zeros_init())(conv(4 * self.filters, (1, 1))(y))
-    if x.shape != y.shape:
-      x = norm(name="norm_proj")(conv(4 * self.filters, (1, 1), self.strides,
-                                      name="conv_proj")(x))
-    return nn.relu(x + y)
-
-
-class ResNet(nn.Module):
-  """ResNet v1.5 (stride on the 3x3 convolution), NHWC images to logits."""
-
-  stage_sizes: tuple[int, ...] = (3, 4, 6, 3)
-  num_filters: int = 64
-  num_classes: int = 1000
-  dtype: Dtype = None
-
-  @nn.compact
-  def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
-    x = nn.Conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                dtype=self.dtype, name="conv_init")(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, name="bn_init")(x)
-    x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
-    for i, size in enumerate(self.stage_sizes):
-      for j in range(size):
-        strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-        x = Bottleneck(self.num_filters * 2**i, strides, dtype=self.dtype, train=train)(x)
-    x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 
 
 def resnet_module(cfg: ResNetConfig, dtype: Dtype = None) -> ResNet:

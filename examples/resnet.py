@@ -44,13 +44,14 @@ class Bottleneck(nn.Module):
 
   filters: int
   strides: tuple[int, int] = (1, 1)
+  dtype: Any = None  # None: the layers' default, so jaxamp's policy decides
   train: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    conv = functools.partial(nn.Conv, use_bias=False)
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
     norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
-                             epsilon=1e-5)
+                             epsilon=1e-5, dtype=self.dtype)
     y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
     y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(y)))
     y = norm(scale_init=nn.initializers.zeros_init())(conv(4 * self.filters, (1, 1))(y))
@@ -61,25 +62,29 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-  """ResNet v1.5; ``stage_sizes=(3, 4, 6, 3)`` is ResNet-50."""
+  """ResNet v1.5 (stride on the 3x3 convolution); ``stage_sizes=(3, 4, 6, 3)`` is ResNet-50.
+
+  ``dtype`` stays None here; ``benchmarks/`` sets it for its hand-written baseline.
+  """
 
   stage_sizes: tuple[int, ...] = (3, 4, 6, 3)
   num_filters: int = 64
   num_classes: int = 1000
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
     x = nn.Conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                name="conv_init")(x)
+                dtype=self.dtype, name="conv_init")(x)
     x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     name="bn_init")(x)
+                     dtype=self.dtype, name="bn_init")(x)
     x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
     for i, size in enumerate(self.stage_sizes):
       for j in range(size):
         strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-        x = Bottleneck(self.num_filters * 2**i, strides, train=train)(x)
+        x = Bottleneck(self.num_filters * 2**i, strides, dtype=self.dtype, train=train)(x)
     x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes, name="head")(x)
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 
 
 def loss_fn(model: Any, batch: dict[str, jax.Array]):
