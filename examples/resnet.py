@@ -110,7 +110,11 @@ def build(name: str, model: ResNet, variables: Any, args):
     train = jaxamp.make_train_step(loss_fn, tx, opt_level=level, has_aux=True)
   else:
     train = jaxamp.make_train_step(loss_fn, tx, policy=name, has_aux=True)
-  return train.step, train.init(model, variables)
+  # The example input shows init which module owns each parameter, so each is stored in
+  # its module's param dtype (under O2, BatchNorm's in float32, as in Apex).
+  image = jax.ShapeDtypeStruct((args.batch_size, args.image_size, args.image_size, 3),
+                               jnp.float32)
+  return train.step, train.init(model, variables, image, train=False)
 
 
 def run_one(name: str, model: ResNet, variables: Any, batch, args) -> dict[str, float]:

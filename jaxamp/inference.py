@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import linen as nn
 from flax import nnx
 
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import PolicyLike
-from jaxamp.rules import path_name
-from jaxamp.summary import module_params
+from jaxamp.summary import cast_module_params, module_params
 
 __all__ = ["convert_for_inference"]
 
@@ -62,19 +60,7 @@ def _convert_linen(variables: Any, module: nn.Module, example_inputs: tuple[Any,
   from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
   plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy)
-  compute = {}
-  for path, _, p in plan:
-    compute.setdefault(path, p.compute_dtype)
-  dtype_of = {name: compute[owner]
-              for owner, leaves in module_params(variables["params"], list(compute)).items()
-              for name, _ in leaves}
-
-  def convert(path, leaf):
-    name = path_name(path)
-    dtype = dtype_of[name]
-    return leaf.astype(dtype) if is_floating_array(leaf) and leaf.dtype != dtype else leaf
-
-  params = jax.tree_util.tree_map_with_path(convert, variables["params"])
+  params = cast_module_params(variables["params"], plan, lambda p: p.compute_dtype)
   converted = dict(variables)
   converted["params"] = params
   return type(variables)(converted) if not isinstance(variables, dict) else converted

@@ -16,11 +16,14 @@ O3    half                             None         False    False              
 
 O1 runs the float32 model through :func:`jaxamp.autocast` (op lists decide each
 primitive's precision, norms decompose into float32 primitives); O2 runs half-precision
-modules, keeps norm layers computing in float32 and updates float32 master weights; O3 is
-pure half precision. Unlike Apex O2, which stores BatchNorm weights in float32, O2 here
-stores every parameter (norm scales included) in the half dtype; norms still compute in
-float32 and the float32 master copy is what the optimizer updates. With ``half=jnp.bfloat16`` no level scales the loss (bfloat16 has
-float32's range). Keyword overrides replace fields, as in Apex.
+modules, keeps norm layers in float32 (parameters and compute, as Apex's
+``keep_batchnorm_fp32``) and updates float32 master weights; O3 is pure half precision.
+:meth:`TrainStep.init <jaxamp.TrainStep.init>` stores each parameter in its module's
+param dtype: it sees an NNX model's modules; a Linen module's only when ``init`` also gets
+the module's example arguments (otherwise every parameter, norm scales included, is
+stored in the half dtype; norms still compute in float32). With ``half=jnp.bfloat16`` no
+level scales the loss (bfloat16 has float32's range). Keyword overrides replace fields,
+as in Apex.
 
 Example:
   >>> import jax.numpy as jnp, jaxamp
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.policy import _HALF, get_policy, Policy
+from jaxamp.rules import NORM_CLASSES
 
 __all__ = ["OPT_LEVELS", "LossScaleSpec", "OptLevel", "opt_level"]
 
@@ -78,6 +82,15 @@ class OptLevel(NamedTuple):
   keep_norms_float32: bool
   master_weights: bool
 
+  def norm_rules(self) -> dict[type, Any]:
+    """The rules this level gives normalization layers (:data:`jaxamp.NORM_CLASSES`).
+
+    With ``keep_norms_float32`` (Apex's ``keep_batchnorm_fp32``) norms store their
+    parameters and compute in float32 and return the enclosing compute dtype; without
+    it they have no rule of their own and run under the level's policy.
+    """
+    return {cls: _float32_norm if self.keep_norms_float32 else None for cls in NORM_CLASSES}
+
   def make_loss_scale(self) -> Any:
     """The loss-scale optax transformation ``loss_scale`` names.
 
@@ -98,6 +111,10 @@ class OptLevel(NamedTuple):
 
 
 _FIELDS = tuple(f for f in OptLevel._fields if f != "name")
+
+
+def _float32_norm(enclosing: Policy) -> Policy:
+  return Policy(_F32, _F32, enclosing.compute_dtype)
 
 
 def _check_loss_scale(value: Any) -> LossScaleSpec:

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,10 +22,11 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.rules import path_name
 
-__all__ = ["summary", "Summary", "SummaryRow", "module_params"]
+__all__ = ["summary", "Summary", "SummaryRow", "cast_module_params", "module_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +134,55 @@ def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tu
   """
   groups: dict[str, list[tuple[str, Any]]] = {m: [] for m in module_paths}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = path_name(path)
-    if name == "value" or name.endswith("/value"):  # nnx.Variable's own pytree child
-      name = name[:-len("value")].rstrip("/")
+    name = _leaf_name(path)
     groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
   return groups
+
+
+def _leaf_name(path: Any) -> str:
+  name = path_name(path)
+  if name == "value" or name.endswith("/value"):  # nnx.Variable's own pytree child
+    name = name[:-len("value")].rstrip("/")
+  return name
+
+
+def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
+                       dtype_of: Callable[[Policy], Any]) -> Any:
+  """``params`` with each floating leaf in ``dtype_of(policy)`` of the module owning it.
+
+  Args:
+    params: a params pytree (an ``nnx.State`` or Linen ``'params'`` collection).
+    plan: ``(path, class, policy)`` per module, as ``jaxamp.nnx.module_policies`` and
+      ``jaxamp.linen.module_policies`` return it (a path's first entry counts).
+    dtype_of: picks the dtype from the owner's policy, e.g. ``lambda p: p.param_dtype``.
+
+  Returns:
+    The same structure; integer, boolean and key leaves untouched.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> from jaxamp.summary import cast_module_params
+    >>> params = {'Dense_0': {'kernel': jnp.ones(2)}, 'LayerNorm_0': {'scale': jnp.ones(2)}}
+    >>> plan = [('Dense_0', object, jaxamp.get_policy('bfloat16')),
+    ...         ('LayerNorm_0', object, jaxamp.get_policy('float32'))]
+    >>> cast = cast_module_params(params, plan, lambda p: p.param_dtype)
+    >>> cast['Dense_0']['kernel'].dtype, cast['LayerNorm_0']['scale'].dtype
+    (dtype(bfloat16), dtype('float32'))
+  """
+  policies: dict[str, Policy] = {}
+  for path, _, policy in plan:
+    policies.setdefault(path, policy)
+  target = {name: np.dtype(dtype_of(policies[owner]))
+            for owner, leaves in module_params(params, list(policies)).items()
+            if owner in policies for name, _ in leaves}
+
+  def cast(path: Any, leaf: Any) -> Any:
+    dtype = target.get(_leaf_name(path))
+    if dtype is None or not is_floating_array(leaf) or leaf.dtype == dtype:
+      return leaf
+    return leaf.astype(dtype)
+
+  return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _nnx_plan(model: Any, policy: PolicyLike | None):

@@ -55,10 +55,11 @@ import optax
 from flax import nnx
 
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import cast_floating
+from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import NORM_CLASSES, path_name, policy_rules
+from jaxamp.rules import path_name, policy_rules
+from jaxamp.summary import cast_module_params
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
 
@@ -234,8 +235,9 @@ class TrainStep:
       raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
                        f"float16), got {grad_reduce_dtype!r}.")
     self.grad_reduce_dtype = np.dtype(grad_reduce_dtype)
-    half_params = policy.param_dtype != _F32 and policy.param_dtype.itemsize < 4
-    self.master_weights = half_params if master_weights is None else master_weights
+    # None: decided at init, from the dtypes the parameters are stored in.
+    self._master_weights_arg = master_weights
+    self.master_weights = master_weights
     self.float32_outputs = float32_outputs
     self.debug_nonfinite = debug_nonfinite
     self.seed = seed
@@ -249,31 +251,62 @@ class TrainStep:
 
   # -- setup --
 
-  def init(self, model: Any, variables: Mapping[str, Any] | None = None) -> TrainState:
+  def init(self, model: Any, variables: Mapping[str, Any] | None = None,
+           *example_args: Any, **example_kwargs: Any) -> TrainState:
     """Builds the first :class:`TrainState`.
+
+    Each parameter is stored in the param dtype of the module that owns it (its resolved
+    policy: rules, norm defaults and the opt level's norm rule included). NNX models show
+    their modules; for a Linen module pass the arguments ``module.init`` took (arrays or
+    ``jax.ShapeDtypeStruct``; keyword arguments such as ``train=False`` too), which are
+    traced abstractly to find them. Without them every parameter gets the model policy's
+    param dtype.
 
     Args:
       model: an NNX module, or a Linen module (then pass ``variables``).
       variables: the Linen variables (``module.init(...)``'s result).
+      *example_args: Linen only: the module's example arguments.
+      **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
+        ``init`` needs more than a ``'params'`` key).
 
     Returns:
-      The train state, params cast to the param dtype (replicated over the mesh, if any).
+      The train state (replicated over the mesh, if any).
     """
-    if isinstance(model, nnx.Module):
-      if variables is not None:
-        raise ValueError("init(model) takes no variables for an NNX model.")
-      graphdef, params, model_state = _NNXAdapter.split(model)
-      self._adapter = _NNXAdapter(graphdef)
-    else:
-      if variables is None or "params" not in variables:
-        raise ValueError("For a Linen module call init(module, variables), where variables "
-                         "is module.init(...)'s result with a 'params' collection.")
-      self._adapter = _LinenAdapter(model)
-      params = variables["params"]
-      model_state = {k: v for k, v in variables.items() if k != "params"}
-    params = self.policy.cast_to_param(params)
+    with self._tracing():
+      if isinstance(model, nnx.Module):
+        if variables is not None or example_args or example_kwargs:
+          raise ValueError("init(model) takes no variables or example inputs for an NNX "
+                           "model.")
+        from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
+
+        plan = amp_nnx.module_policies(model, self.policy)
+        graphdef, params, model_state = _NNXAdapter.split(model)
+        self._adapter = _NNXAdapter(graphdef)
+      else:
+        if variables is None or "params" not in variables:
+          raise ValueError("For a Linen module call init(module, variables), where variables "
+                           "is module.init(...)'s result with a 'params' collection.")
+        from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+        plan = None
+        if example_args or example_kwargs:
+          plan = amp_linen.module_policies(model, None, *example_args, policy=self.policy,
+                                           **example_kwargs)
+        self._adapter = _LinenAdapter(model)
+        params = variables["params"]
+        model_state = {k: v for k, v in variables.items() if k != "params"}
+    params = (self.policy.cast_to_param(params) if plan is None
+              else cast_module_params(params, plan, lambda p: p.param_dtype))
+    if self._master_weights_arg is None:
+      self.master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
+                                for x in jax.tree.leaves(params))
     self.optimizer = self._build_optimizer(params)
-    opt_params = cast_floating(params, _F32) if self.master_weights else params
+    opt_params = params
+    if self.master_weights:
+      # A copy where a parameter is float32 already: the state must not hold one buffer
+      # twice (the step donates it).
+      opt_params = jax.tree.map(lambda m, p: jnp.copy(m) if m is p else m,
+                                cast_floating(params, _F32), params)
     opt_state = self.optimizer.init(opt_params)
     if self.master_weights:
       opt_state = MasterWeightsState(opt_params, opt_state)
@@ -433,8 +466,8 @@ class TrainStep:
 
   def _tracing(self) -> Any:
     """Rule changes an opt level asks for, in force while the step is traced."""
-    if self.level is not None and not self.level.keep_norms_float32:
-      return policy_rules({cls: None for cls in NORM_CLASSES})
+    if self.level is not None:
+      return policy_rules(self.level.norm_rules())
     return contextlib.nullcontext()
 
   def _step_impl(self, state: TrainState, batch: Any):
@@ -529,8 +562,9 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     batch_axis: the mesh axis the batch is split on.
     donate: donate the input state's buffers to the step.
     grad_reduce_dtype: dtype of the cross-device gradient mean.
-    master_weights: keep float32 master weights in the optimizer state; default: on
-      when the param dtype is half (``'float16'``, ``'bfloat16'`` policies).
+    master_weights: keep float32 master weights in the optimizer state; default (None):
+      on when ``init`` stores any parameter in a half dtype (``'float16'`` and
+      ``'bfloat16'`` policies, or rules giving some modules half params).
     float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32.
     debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
       whether its gradient had an inf/NaN, to find the layer that overflowed.

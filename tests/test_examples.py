@@ -120,10 +120,12 @@ def _tiny_resnet():
   return model, args, batch, variables
 
 
-@pytest.mark.parametrize("level,half_share,param_dtype,master,scale", [
-    ("O0", 0.0, jnp.float32, False, 1.0), ("O1", 1.0, jnp.float32, False, 2.0**15),
-    ("O2", 1.0, jnp.float16, True, 2.0**15), ("O3", 1.0, jnp.float16, False, 1.0)])
-def test_resnet_opt_level_steps(level, half_share, param_dtype, master, scale):
+@pytest.mark.parametrize("level,half_share,param_dtype,norm_dtype,master,scale", [
+    ("O0", 0.0, jnp.float32, jnp.float32, False, 1.0),
+    ("O1", 1.0, jnp.float32, jnp.float32, False, 2.0**15),
+    ("O2", 1.0, jnp.float16, jnp.float32, True, 2.0**15),
+    ("O3", 1.0, jnp.float16, jnp.float16, False, 1.0)])
+def test_resnet_opt_level_steps(level, half_share, param_dtype, norm_dtype, master, scale):
   model, args, batch, variables = _tiny_resnet()
   step, state = _load("resnet").build(level, model, jax.tree.map(jnp.copy, variables), args)
   with warnings.catch_warnings():
@@ -131,7 +133,11 @@ def test_resnet_opt_level_steps(level, half_share, param_dtype, master, scale):
     report = jaxamp.precision_report(step, state, batch)
   # Every convolution and the head's matmul, forward and backward: float16 or none.
   assert report.half_share == half_share
-  assert {str(l.dtype) for l in jax.tree.leaves(state.params)} == {np.dtype(param_dtype).name}
+  dtypes = {"norm": set(), "other": set()}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+    is_norm = any(k in jax.tree_util.keystr(path) for k in ("BatchNorm", "bn_init", "norm_proj"))
+    dtypes["norm" if is_norm else "other"].add(np.dtype(leaf.dtype))
+  assert dtypes == {"norm": {np.dtype(norm_dtype)}, "other": {np.dtype(param_dtype)}}
   assert isinstance(state.opt_state, jaxamp.MasterWeightsState) == master
   # Dynamic loss scaling exactly where Apex has it: O1 and O2.
   assert float(jaxamp.get_loss_scale(state.opt_state)) == scale

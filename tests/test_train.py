@@ -62,11 +62,25 @@ def make_batches(n, size=16, seed=0):
            "y": rng.randint(0, 4, size).astype(np.int32)} for _ in range(n)]
 
 
-def init(train, api, **kw):
+def init(train, api, *, example_inputs=True, **kw):
+  """``train.init`` of NNXNet or LinenNet (with the Linen module's example inputs)."""
   if api == "nnx":
     return train.init(NNXNet(nnx.Rngs(0, dropout=1), **kw))
   module = LinenNet(**kw)
-  return train.init(module, module.init(jax.random.key(0), jnp.zeros((2, 8)), train=False))
+  x = jnp.zeros((2, 8))
+  variables = module.init(jax.random.key(0), x, train=False)
+  if example_inputs:
+    return train.init(module, variables, x, train=False)
+  return train.init(module, variables)
+
+
+def param_dtypes(params):
+  """``{'norm': {...}, 'other': {...}}``: the dtypes of BatchNorm's and the rest's params."""
+  out = {"norm": set(), "other": set()}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = jax.tree_util.keystr(path)
+    out["norm" if "bn" in name or "BatchNorm" in name else "other"].add(jnp.dtype(leaf.dtype))
+  return out
 
 
 def leaves(tree):
@@ -442,13 +456,14 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
-@pytest.mark.parametrize("level,param_dtype,scale,half_share,master", [
-    ("O0", jnp.float32, 1.0, 0.0, False),
-    ("O1", jnp.float32, 2.0**15, 1.0, False),
-    ("O2", jnp.float16, 2.0**15, 1.0, True),
-    ("O3", jnp.float16, 1.0, 1.0, False),
+@pytest.mark.parametrize("level,param_dtype,norm_dtype,scale,half_share,master", [
+    ("O0", jnp.float32, jnp.float32, 1.0, 0.0, False),
+    ("O1", jnp.float32, jnp.float32, 2.0**15, 1.0, False),
+    ("O2", jnp.float16, jnp.float32, 2.0**15, 1.0, True),  # Apex's keep_batchnorm_fp32
+    ("O3", jnp.float16, jnp.float16, 1.0, 1.0, False),
 ])
-def test_opt_levels_end_to_end(api, level, param_dtype, scale, half_share, master):
+def test_opt_levels_end_to_end(api, level, param_dtype, norm_dtype, scale, half_share,
+                               master):
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level=level, donate=False)
   state = init(train, api, dropout=0.1)
   batch = make_batches(1)[0]
@@ -457,11 +472,51 @@ def test_opt_levels_end_to_end(api, level, param_dtype, scale, half_share, maste
   assert report.half_share == pytest.approx(half_share, abs=1e-6)
   for _ in range(3):
     state, metrics = train.step(state, batch)
-  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(param_dtype)}
+  assert param_dtypes(state.params) == {"norm": {jnp.dtype(norm_dtype)},
+                                        "other": {jnp.dtype(param_dtype)}}
   assert float(metrics["loss_scale"]) == scale
   assert train.master_weights == master
   assert isinstance(state.opt_state, jaxamp.MasterWeightsState) == master
   assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+
+
+def test_linen_without_example_inputs_stores_every_param_in_the_model_dtype():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level="O2")
+  state = init(train, "linen", example_inputs=False)
+  assert param_dtypes(state.params) == {"norm": {jnp.dtype(jnp.float16)},
+                                        "other": {jnp.dtype(jnp.float16)}}
+  state, metrics = train.step(state, make_batches(1)[0])
+  assert bool(metrics["grads_finite"]) and train.master_weights
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_params_stored_in_each_modules_param_dtype(api):
+  # A rule giving BatchNorm float32 params inside a bfloat16 model: init stores them so,
+  # master weights switch on for the bfloat16 rest, and a step keeps every dtype.
+  bn = nnx.BatchNorm if api == "nnx" else nn.BatchNorm
+  with jaxamp.policy_rules({bn: "float32"}):
+    train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="bfloat16")
+    state = init(train, api)
+    expected = {"norm": {jnp.dtype(jnp.float32)}, "other": {jnp.dtype(jnp.bfloat16)}}
+    assert param_dtypes(state.params) == expected
+    assert train.master_weights
+    state, metrics = train.step(state, make_batches(1)[0])  # donates: no buffer held twice
+    state, metrics = train.step(state, make_batches(1)[0])
+  assert param_dtypes(state.params) == expected
+  assert {x.dtype for x in jax.tree.leaves(state.opt_state.master_params)} == {
+      jnp.dtype(jnp.float32)}
+  assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+
+
+def test_master_weights_of_float32_params_are_copies():
+  # The state must not hold one buffer twice, or the donating step fails.
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
+                                 master_weights=True)
+  state = init(train, "nnx")
+  for _ in range(2):
+    state, metrics = train.step(state, make_batches(1)[0])
+  assert bool(metrics["grads_finite"])
+  assert_trees_equal(state.params, state.opt_state.master_params)
 
 
 def test_opt_level_excludes_policy():
