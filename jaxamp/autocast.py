@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -46,7 +47,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jaxamp.op_lists import DEFAULT_LISTS, AutocastLists
+from jaxamp.op_lists import CATEGORIES, DEFAULT_LISTS, AutocastLists
 from jaxamp.policy import _HALF, get_policy, global_policy, PolicyLike
 
 __all__ = ["autocast"]
@@ -237,6 +238,10 @@ def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], ctx: _Context) -> list[Any
   if higher_order is not None:
     return higher_order(eqn, invals, ctx)
   category = ctx.lists.resolve(eqn)
+  name = eqn.primitive.name
+  if (category == "as_traced" and ctx.lists.category(name) is None
+      and DEFAULT_LISTS.category(name) is None):  # not one a user removed on purpose
+    _warn_unlisted(name, invals)
   if category == "low_precision":
     return _low_precision(eqn, invals, ctx)
   if category == "float32":
@@ -246,6 +251,21 @@ def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], ctx: _Context) -> list[Any
   elif category == "as_traced":
     invals = _as_traced(eqn.invars, invals)
   return _bind(eqn, invals, eqn.params)
+
+
+_warned_unlisted: set[str] = set()
+
+
+def _warn_unlisted(name: str, invals: Sequence[Any]) -> None:
+  """Once per primitive: one no list classifies met floating operands (a newer JAX's)."""
+  if name in _warned_unlisted or not any(_is_float(_dtype(x)) for x in invals):
+    return
+  _warned_unlisted.add(name)
+  warnings.warn(
+      f"jaxamp.autocast: the primitive {name!r} is in no op list, so it runs at the dtypes "
+      f"it was traced with. Classify it with jaxamp.AutocastLists().add({name!r}, "
+      f"to=...) (to one of {CATEGORIES}) and pass lists= to autocast.", RuntimeWarning,
+      stacklevel=2)
 
 
 def _low_precision(eqn: jcore.JaxprEqn, invals: list[Any], ctx: _Context) -> list[Any]:

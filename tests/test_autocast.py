@@ -2,6 +2,8 @@
 
 import collections
 import re
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -608,6 +610,28 @@ def test_no_work_beyond_the_casts():
   np.testing.assert_allclose(jaxamp.autocast(model, "mixed_bfloat16")(params, x),
                              by_hand(params, x), rtol=1e-6)
 
+
+def test_unlisted_primitive_warns_once_and_runs_as_traced(monkeypatch):
+  # jaxamp.autocast is the function; its module is in sys.modules.
+  monkeypatch.setattr(sys.modules["jaxamp.autocast"], "_warned_unlisted", set())
+  double = jax.extend.core.Primitive("jaxamp_test_double")
+  double.def_impl(lambda x: x * 2)
+  double.def_abstract_eval(lambda x: x)
+  f = lambda w, x: double.bind(x @ w)
+  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  auto = jaxamp.autocast(f, BF16)
+  with pytest.warns(RuntimeWarning, match="'jaxamp_test_double' is in no op list"):
+    jaxpr = jax.make_jaxpr(auto)(w, x)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive is double]
+  assert eqn.invars[0].aval.dtype == F32  # the bfloat16 matmul result, cast back as traced
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.make_jaxpr(auto)(w, x)  # once per primitive
+    # Classified, it is silent and runs in half precision.
+    lists = jaxamp.AutocastLists().add("jaxamp_test_double", to="passthrough")
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, BF16, lists=lists))(w, x)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive is double]
+  assert eqn.invars[0].aval.dtype == BF16
 
 def test_higher_order_handlers_match_the_list():
   assert set(_HIGHER_ORDER) == HIGHER_ORDER
