@@ -16,8 +16,9 @@ O3    half                             None         False    False              
 
 O1 runs the float32 model through :func:`jaxamp.autocast` (op lists decide each
 primitive's precision, norms decompose into float32 primitives); O2 runs half-precision
-modules, keeps norm layers in float32 (parameters and compute, as Apex's
-``keep_batchnorm_fp32``) and updates float32 master weights; O3 is pure half precision.
+modules, keeps norm layers (every class of :data:`jaxamp.NORM_CLASSES`, where Apex's
+``keep_batchnorm_fp32`` covers BatchNorm) in float32, parameters and compute, and updates
+float32 master weights; O3 is pure half precision.
 :meth:`TrainStep.init <jaxamp.TrainStep.init>` stores each parameter in its module's
 param dtype: it sees an NNX model's modules; a Linen module's only when ``init`` also gets
 the module's example arguments (otherwise every parameter, norm scales included, is
@@ -45,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.policy import _HALF, get_policy, Policy
-from jaxamp.rules import NORM_CLASSES
 
 __all__ = ["OPT_LEVELS", "LossScaleSpec", "OptLevel", "opt_level"]
 
@@ -72,7 +72,8 @@ class OptLevel(NamedTuple):
     keep_norms_float32: normalization layers compute in float32 even when the policy
       computes in half precision.
     master_weights: the optimizer updates float32 master weights while the model gets
-      parameters in ``policy.param_dtype``.
+      their casts to each parameter's stored dtype (``policy.param_dtype``; float32 for
+      norms kept in float32).
   """
 
   name: str
@@ -82,14 +83,23 @@ class OptLevel(NamedTuple):
   keep_norms_float32: bool
   master_weights: bool
 
-  def norm_rules(self) -> dict[type, Any]:
-    """The rules this level gives normalization layers (:data:`jaxamp.NORM_CLASSES`).
+  def norm_rule(self) -> Any:
+    """The rule this level gives normalization layers in place of the default.
 
-    With ``keep_norms_float32`` (Apex's ``keep_batchnorm_fp32``) norms store their
-    parameters and compute in float32 and return the enclosing compute dtype; without
-    it they have no rule of their own and run under the level's policy.
+    With ``keep_norms_float32`` norms store their parameters and compute in float32 and
+    return the enclosing compute dtype (Apex's ``keep_batchnorm_fp32``, here for every
+    class of :data:`jaxamp.NORM_CLASSES`); without it, None: no rule of their own, so
+    they run under the level's policy. Rules a user set for a norm class take precedence
+    (see :func:`jaxamp.rules.norm_defaults`).
+
+    Example:
+      >>> import jaxamp
+      >>> jaxamp.opt_level('O2').norm_rule()(jaxamp.get_policy('float16')).name
+      'params=float32,compute=float32,output=float16'
+      >>> jaxamp.opt_level('O3').norm_rule() is None
+      True
     """
-    return {cls: _float32_norm if self.keep_norms_float32 else None for cls in NORM_CLASSES}
+    return _float32_norm if self.keep_norms_float32 else None
 
   def make_loss_scale(self) -> Any:
     """The loss-scale optax transformation ``loss_scale`` names.

@@ -212,6 +212,32 @@ def policy_rules(rules: Mapping[Target, RuleSpec | None] | None = None) -> Itera
       _rules.update(saved)
 
 
+@contextlib.contextmanager
+def norm_defaults(spec: RuleSpec | None) -> Iterator[None]:
+  """Replaces the default norm rule with ``spec`` for a ``with`` block; user rules stay.
+
+  Every class of :data:`NORM_CLASSES` whose rule is still the default
+  (:func:`float32_compute`) gets ``spec`` instead (None: no rule, the norm follows the
+  enclosing policy); a rule a user set for a norm class is kept. Opt levels use it.
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> from jaxamp.rules import norm_defaults
+    >>> half = jaxamp.get_policy('float16')
+    >>> with jaxamp.policy_rules({nnx.BatchNorm: 'float16'}), norm_defaults(None):
+    ...   [jaxamp.resolve_policy(c, 'n', half).name for c in (nnx.LayerNorm, nnx.BatchNorm)]
+    ['float16', 'float16']
+    >>> jaxamp.resolve_policy(nnx.LayerNorm, 'n', half).name
+    'params=float16,compute=float32,output=float16'
+  """
+  with _lock:
+    defaults = [cls for cls in NORM_CLASSES
+                if cls in _rules and _rules[cls].spec is float32_compute]
+  with policy_rules({cls: spec for cls in defaults}):
+    yield
+
+
 def _matches(target: Any, path: str) -> bool:
   if isinstance(target, re.Pattern):
     return target.fullmatch(path) is not None

@@ -58,7 +58,7 @@ from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import path_name, policy_rules
+from jaxamp.rules import norm_defaults, path_name
 from jaxamp.summary import cast_module_params
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
@@ -70,8 +70,8 @@ class TrainState(NamedTuple):
   """Everything a training run carries from step to step.
 
   Attributes:
-    params: trainable parameters, stored in the param dtype (an ``nnx.State`` for NNX
-      models, the ``'params'`` collection for Linen).
+    params: trainable parameters, each stored in the param dtype of the module owning it
+      (an ``nnx.State`` for NNX models, the ``'params'`` collection for Linen).
     opt_state: the optimizer state, loss-scale state included
       (:func:`jaxamp.get_loss_scale` reads it).
     step: number of ``step`` calls made (skipped ones included; the optimizer's own
@@ -94,8 +94,8 @@ class MasterWeightsState(NamedTuple):
 
   Attributes:
     master_params: float32 copies of the parameters; the optimizer updates these and
-      the stored params are their casts to the param dtype (MXNet ``multi_precision``,
-      Apex O2).
+      the stored params are their casts to each parameter's stored dtype (MXNet
+      ``multi_precision``, Apex O2).
     inner_state: the wrapped optimizer's state.
   """
 
@@ -209,6 +209,8 @@ class TrainStep:
 
   Attributes:
     policy: the model-level policy.
+    master_weights: whether the optimizer updates float32 master weights; when
+      ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
   """
 
@@ -257,10 +259,12 @@ class TrainStep:
 
     Each parameter is stored in the param dtype of the module that owns it (its resolved
     policy: rules, norm defaults and the opt level's norm rule included). NNX models show
-    their modules; for a Linen module pass the arguments ``module.init`` took (arrays or
-    ``jax.ShapeDtypeStruct``; keyword arguments such as ``train=False`` too), which are
-    traced abstractly to find them. Without them every parameter gets the model policy's
-    param dtype.
+    their modules. For a Linen module pass the example arguments ``module.init`` took
+    besides its rngs (arrays or ``jax.ShapeDtypeStruct``; keyword arguments such as
+    ``train=False`` too): they are traced abstractly to find the modules. Without them,
+    and for modules that do not run for them, parameters get the model policy's param
+    dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
+    is unwrapped: the train step applies its own policy.
 
     Args:
       model: an NNX module, or a Linen module (then pass ``variables``).
@@ -272,13 +276,21 @@ class TrainStep:
     Returns:
       The train state (replicated over the mesh, if any).
     """
-    with self._tracing():
+    from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+    from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
+
+    if isinstance(model, (amp_nnx.PolicyModule, amp_linen.LinenPolicy)):
+      if model.policy is not None and model.policy != self.policy:
+        raise ValueError(
+            f"init got a model wrapped with policy {model.policy.name!r}, but this train "
+            f"step's policy is {self.policy.name!r}. Pass the unwrapped model (the train "
+            "step applies its own policy), or make the step with the same policy.")
+      model = model.module
+    with self._level_rules():
       if isinstance(model, nnx.Module):
         if variables is not None or example_args or example_kwargs:
           raise ValueError("init(model) takes no variables or example inputs for an NNX "
                            "model.")
-        from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
-
         plan = amp_nnx.module_policies(model, self.policy)
         graphdef, params, model_state = _NNXAdapter.split(model)
         self._adapter = _NNXAdapter(graphdef)
@@ -286,8 +298,6 @@ class TrainStep:
         if variables is None or "params" not in variables:
           raise ValueError("For a Linen module call init(module, variables), where variables "
                            "is module.init(...)'s result with a 'params' collection.")
-        from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
-
         plan = None
         if example_args or example_kwargs:
           plan = amp_linen.module_policies(model, None, *example_args, policy=self.policy,
@@ -464,15 +474,15 @@ class TrainStep:
     batch = jax.tree.map(lambda x: put(x, data), batch)
     return sharded(state.params, state.model_state, batch, rng, scale)
 
-  def _tracing(self) -> Any:
-    """Rule changes an opt level asks for, in force while the step is traced."""
+  def _level_rules(self) -> Any:
+    """The norm rule an opt level asks for, in force at init and while the step traces."""
     if self.level is not None:
-      return policy_rules(self.level.norm_rules())
+      return norm_defaults(self.level.norm_rule())
     return contextlib.nullcontext()
 
   def _step_impl(self, state: TrainState, batch: Any):
     self.trace_count += 1  # runs only while tracing
-    with self._tracing():
+    with self._level_rules():
       return self._step_body(state, batch)
 
   def _step_body(self, state: TrainState, batch: Any):
@@ -530,7 +540,7 @@ class TrainStep:
       from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
 
       run = autocast(run, self.level.policy)
-    with self._tracing():
+    with self._level_rules():
       return run(state.params, state.model_state, batch)
 
 

@@ -109,3 +109,20 @@ def test_bad_rules_are_named():
     jaxamp.set_policy("/", "float32")
   with pytest.raises(ValueError, match="mixed_bfloat16"):
     jaxamp.set_policy("head", "mixed_int4")
+
+
+def test_norm_defaults_replace_only_the_default_rules():
+  from jaxamp.rules import norm_defaults
+
+  half = jaxamp.get_policy("float16")
+  keep = lambda p: jaxamp.Policy("float32", "float32", p.compute_dtype)
+  with jaxamp.policy_rules({nn.LayerNorm: "bfloat16"}):
+    with norm_defaults(keep):
+      assert jaxamp.resolve_policy(nnx.BatchNorm, "bn", half) == jaxamp.Policy(
+          "float32", "float32", "float16")
+      assert jaxamp.resolve_policy(nn.LayerNorm, "ln", half).name == "bfloat16"  # user's
+      assert jaxamp.resolve_policy(nnx.Linear, "l", half) == half
+    with norm_defaults(None):
+      assert jaxamp.resolve_policy(nnx.BatchNorm, "bn", half) == half
+    # Restored after the block.
+    assert jaxamp.resolve_policy(nnx.BatchNorm, "bn", half) == jaxamp.float32_compute(half)

@@ -508,6 +508,39 @@ def test_params_stored_in_each_modules_param_dtype(api):
   assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_a_users_norm_rule_beats_the_opt_levels(api):
+  bn = nnx.BatchNorm if api == "nnx" else nn.BatchNorm
+  with jaxamp.policy_rules({bn: "float16"}):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level="O2")
+    state = init(train, api)
+    assert param_dtypes(state.params)["norm"] == {jnp.dtype(jnp.float16)}
+    state, metrics = train.step(state, make_batches(1)[0])
+  assert param_dtypes(state.params)["norm"] == {jnp.dtype(jnp.float16)}
+  assert bool(metrics["grads_finite"])
+
+
+def test_policy_wrapped_models_are_unwrapped():
+  model = NNXNet(nnx.Rngs(0))
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level="O2")
+  state = train.init(jaxamp.nnx.with_policy(model, "float16"))
+  assert param_dtypes(state.params) == {"norm": {jnp.dtype(jnp.float32)},
+                                        "other": {jnp.dtype(jnp.float16)}}
+  assert "module" not in jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(
+      state.params)[0][0][0])
+  state, metrics = train.step(state, make_batches(1)[0])
+  assert bool(metrics["grads_finite"])
+  other = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), policy="mixed_bfloat16")
+  with pytest.raises(ValueError, match="wrapped with policy 'float16'.*'mixed_bfloat16'"):
+    other.init(jaxamp.nnx.with_policy(NNXNet(nnx.Rngs(0)), "float16"))
+  linen = jaxamp.linen.with_policy(LinenNet(), "mixed_bfloat16")
+  x = jnp.zeros((2, 8))
+  state = other.init(linen, LinenNet().init(jax.random.key(0), x, train=False), x,
+                     train=False)
+  assert param_dtypes(state.params) == {"norm": {jnp.dtype(jnp.float32)},
+                                        "other": {jnp.dtype(jnp.float32)}}
+
+
 def test_master_weights_of_float32_params_are_copies():
   # The state must not hold one buffer twice, or the donating step fails.
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
