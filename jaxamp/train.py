@@ -429,9 +429,11 @@ class TrainStep:
 
     (acc, model_state), (losses, auxes) = jax.lax.scan(body, (acc0, model_state),
                                                        (micro, jnp.arange(k)))
-    # Accumulated in float32; handed on in each parameter's gradient dtype, so the
-    # optimizer state keeps its dtypes (and the step its single trace).
-    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    # Accumulated in float32. Master weights take them so; otherwise they go on in each
+    # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
+    # trace).
+    grads = jax.tree.map(lambda a, p: (a / k).astype(_F32 if self.master_weights else p.dtype),
+                         acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
                        else a[-1], auxes)
     return grads, jnp.mean(losses), aux, model_state

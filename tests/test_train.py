@@ -541,6 +541,20 @@ def test_policy_wrapped_models_are_unwrapped():
                                         "other": {jnp.dtype(jnp.float32)}}
 
 
+def test_accumulated_gradients_reach_master_weights_unrounded():
+  # Micro-batch gradients 1 and 2**-9 are exact in bfloat16; their mean 0.5 + 2**-10 is not
+  # (bfloat16 rounds it to 0.5). The float32 master weights must get the exact mean.
+  model = nnx.Linear(1, 1, use_bias=False, kernel_init=nnx.initializers.zeros,
+                     rngs=nnx.Rngs(0))
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b["x"])), optax.sgd(1.0),
+                                 policy="bfloat16", grad_accum_steps=2)
+  state = train.init(model)
+  state, _ = train.step(state, {"x": jnp.array([[1.0], [2.0**-9]])})
+  assert train.master_weights
+  assert float(state.opt_state.master_params["kernel"][0, 0]) == -(0.5 + 2.0**-10)
+  assert state.params["kernel"].dtype == jnp.bfloat16
+
+
 def test_master_weights_of_float32_params_are_copies():
   # The state must not hold one buffer twice, or the donating step fails.
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
