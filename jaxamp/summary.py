@@ -240,7 +240,7 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None) 
     count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
     stored = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
     compute = sum(int(np.prod(leaf.shape)) * (p.compute_dtype.itemsize
-                                              if np.issubdtype(leaf.dtype, np.floating)
+                                              if is_floating_array(leaf)
                                               else np.dtype(leaf.dtype).itemsize)
                   for leaf in leaves)
     rows.append(SummaryRow(path, cls.__name__, p.param_dtype.name, p.compute_dtype.name,

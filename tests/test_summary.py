@@ -44,6 +44,13 @@ def test_nnx_rows_policies_and_bytes():
   assert paths.index("blocks/0/mlp/up") < paths.index("blocks/1")
 
 
+def test_bfloat16_stored_params_count_at_the_compute_dtype():
+  # numpy does not call bfloat16 floating; the summary must.
+  model = nnx.Linear(4, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  (row,) = jaxamp.summary(model, policy="float32").rows
+  assert (row.param_count, row.stored_bytes, row.compute_bytes) == (40, 80, 160)
+
+
 def test_rules_show_up_in_the_summary():
   with jaxamp.policy_rules({"blocks/1": "float32"}):
     s = jaxamp.summary(_nnx_lm(), policy="mixed_float16")
