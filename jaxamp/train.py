@@ -174,13 +174,16 @@ class _NNXAdapter:
 @dataclasses.dataclass
 class _LinenAdapter:
   module: Any
-  _wrapped: dict[Policy, Any] = dataclasses.field(default_factory=dict)
+  _wrapped: Any = None
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
     from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
-    # One wrapper per policy, so its plan cache serves every trace (step and eval).
-    wrapped = self._wrapped.setdefault(policy, amp_linen.with_policy(self.module, policy))
+    # One wrapper, so its plan cache serves every trace (step and eval); the step binds
+    # with its one policy.
+    if self._wrapped is None or self._wrapped.policy != policy:
+      self._wrapped = amp_linen.with_policy(self.module, policy)
+    wrapped = self._wrapped
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False
 
@@ -401,11 +404,7 @@ class TrainStep:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
       return loss * scale, (loss, aux, new_state())
 
-    if self.level is not None and self.level.autocast:
-      from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
-
-      scaled_loss = autocast(scaled_loss, self.level.policy)
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    grad_fn = jax.grad(self._autocast(scaled_loss), has_aux=True)
     k = self.grad_accum_steps
     if k == 1:
       grads, (loss, aux, model_state) = grad_fn(params, model_state, batch, rng)
@@ -476,6 +475,14 @@ class TrainStep:
     batch = jax.tree.map(lambda x: put(x, data), batch)
     return sharded(state.params, state.model_state, batch, rng, scale)
 
+  def _autocast(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under the opt level's autocast (O1), else ``fn`` itself."""
+    if self.level is None or not self.level.autocast:
+      return fn
+    from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
+
+    return autocast(fn, self.level.policy)
+
   def _level_rules(self) -> Any:
     """The norm rule an opt level asks for, in force at init and while the step traces."""
     if self.level is not None:
@@ -491,9 +498,9 @@ class TrainStep:
     scale = _ls.get_loss_scale(state.opt_state)
     next_rng, step_rng = jax.random.split(state.rng)
     grads, loss, aux, model_state = self._grads(state, batch, scale, step_rng)
+    grads32 = cast_floating(grads, _F32)
     if self.master_weights:
       master, inner = state.opt_state
-      grads32 = cast_floating(grads, _F32)
       updates, inner = self.optimizer.update(grads32, inner, master)
       master = optax.apply_updates(master, updates)
       ls_state = optax.tree_utils.tree_get(inner, "LossScaleState")
@@ -503,14 +510,14 @@ class TrainStep:
     else:
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
+    ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     finite = ls_state.finite
     # A skipped step leaves no trace but the loss scale: a run that overflows on batch k
     # ends where a run that never saw batch k ends.
     params = _ls._select_tree(finite, params, state.params)
     model_state = _ls._select_tree(finite, model_state, state.model_state)
     next_rng = jax.lax.select(finite, next_rng, state.rng)
-    grad_norm = optax.tree.norm(cast_floating(grads, _F32)) / scale
+    grad_norm = optax.tree.norm(grads32) / scale
     metrics: dict[str, Any] = {
         "loss": loss,
         "loss_scale": ls_state.scale,
@@ -538,12 +545,8 @@ class TrainStep:
                                     float32_outputs=self.float32_outputs)
       return cast_floating(self.eval_fn(model, batch), _F32)
 
-    if self.level is not None and self.level.autocast:
-      from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
-
-      run = autocast(run, self.level.policy)
     with self._level_rules():
-      return run(state.params, state.model_state, batch)
+      return self._autocast(run)(state.params, state.model_state, batch)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
