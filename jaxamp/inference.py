@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import PolicyLike
+from jaxamp.rules import path_name
 from jaxamp.summary import cast_module_params, module_params
 
 __all__ = ["convert_for_inference"]
@@ -40,10 +41,12 @@ def _convert_nnx(model: nnx.Module, policy: PolicyLike | None) -> nnx.Module:
   plan = amp_nnx.module_policies(model, policy)
   model = nnx.clone(model)
   compute = {path: p.compute_dtype for path, _, p in plan}
-  modules = {"/".join(str(k) for k in path): node for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Module)}
-  variables = {"/".join(str(k) for k in path): node for path, node in nnx.iter_graph(model)
-               if isinstance(node, nnx.Param)}
+  modules, variables = {}, {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      modules[path_name(path)] = node
+    elif isinstance(node, nnx.Param):
+      variables[path_name(path)] = node
   groups = module_params({name: v.get_value() for name, v in variables.items()}, list(compute))
   for owner, leaves in groups.items():
     dtype = compute[owner]

@@ -69,7 +69,7 @@ from flax.core.scope import union_filters
 
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import resolve_policy, resolve_tree
+from jaxamp.rules import path_name, resolve_policy, resolve_tree
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -125,11 +125,6 @@ def _enclosing(policies: Mapping[Path, Policy], path: Path) -> Policy:
     if path[:n] in policies:
       return policies[path[:n]]
   raise KeyError(path)  # unreachable: the root path () is always resolved
-
-
-def _resolve(plan: _Plan, model_policy: Policy) -> dict[Path, Policy]:
-  """Each module's policy, parents before children so the enclosing one is known."""
-  return resolve_tree(plan.modules, model_policy)
 
 
 def _is_array_like(x: Any) -> bool:
@@ -390,7 +385,7 @@ class LinenPolicy:
     recorder, plan = _recording(self.module)
     with nn.intercept_methods(recorder):
       variables = self.module.init(rngs, *args, **kwargs)
-    return _cast_variables(variables, _resolve(plan(), self.model_policy()),
+    return _cast_variables(variables, resolve_tree(plan().modules, self.model_policy()),
                            lambda p: p.param_dtype)
 
   def apply(self, variables: Any, *args: Any, rngs: Any = None,
@@ -411,7 +406,7 @@ class LinenPolicy:
       does. Updated floating state keeps the dtype it was passed in with.
     """
     plan = self._plan(variables, args, dict(kwargs, rngs=rngs, method=method, mutable=mutable))
-    policies = _resolve(plan, self.model_policy())
+    policies = resolve_tree(plan.modules, self.model_policy())
     cast = _cast_variables(variables, policies, _compute_dtype, skip=plan.lifted)
     with nn.intercept_methods(_casting(policies, plan.lifted)):
       result = self.module.apply(cast, *args, rngs=rngs, method=method, mutable=mutable,
@@ -511,5 +506,5 @@ def module_policies(module: nn.Module, variables: Any, *args: Any,
     plan = _abstract_plan(lambda r, a, k: module.init(r, *a, **k), module, rngs, args, kwargs)
   else:
     plan = _apply_plan(module, variables, args, kwargs)
-  policies = _resolve(plan, model_policy)
-  return [("/".join(path), cls, policies[path]) for path, cls in plan.modules]
+  policies = resolve_tree(plan.modules, model_policy)
+  return [(path_name(path), cls, policies[path]) for path, cls in plan.modules]

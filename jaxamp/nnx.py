@@ -80,8 +80,8 @@ import numpy as np
 from flax import nnx
 
 from jaxamp.casting import cast_floating, is_floating_array
-from jaxamp.policy import _HALF, get_policy, global_policy, Policy, PolicyLike
-from jaxamp.rules import resolve_policy, resolve_tree
+from jaxamp.policy import get_policy, global_policy, Policy, PolicyLike
+from jaxamp.rules import path_name, resolve_policy, resolve_tree
 
 __all__ = [
     "POLICY_METHODS",
@@ -130,10 +130,6 @@ def _base_class(cls: type) -> type:
   return cls.__dict__.get("_jaxamp_base", cls)
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
-  return "/".join(str(p) for p in path)
-
-
 def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], Any, Policy]]:
   """(path, module, policy) for every module of ``model``, in ``nnx.iter_graph`` order."""
   modules = [(path, node) for path, node in nnx.iter_graph(model)
@@ -172,7 +168,7 @@ def module_policies(model: nnx.Module, policy: PolicyLike | None = None
       policy = model.policy
     model = model.module
   root = global_policy() if policy is None else get_policy(policy)
-  return [(_path_str(path), _base_class(type(node)), p)
+  return [(path_name(path), _base_class(type(node)), p)
           for path, node, p in _resolve(model, root)]
 
 
@@ -435,7 +431,7 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
     if "dtype" in attrs and (attrs["dtype"] is None or _is_float_dtype(attrs["dtype"])):
       # A gather looks rows up in the stored dtype: None makes Embed skip its cast.
       _set_attr(module, "dtype", None if gather else compute, undo)
-    if attrs.get("attention_fn") is nnx.dot_product_attention and compute in _HALF:
+    if attrs.get("attention_fn") is nnx.dot_product_attention and policy.is_mixed:
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
     if fn in _RECOMPUTED and _state.calls[-1].recompute_norms and _widens(args, kwargs,
                                                                            compute):

@@ -309,7 +309,7 @@ def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike
     ``enclosing``.
   """
   if not isinstance(path, str):
-    path = "/".join(str(p) for p in path)
+    path = path_name(path)
   enclosing = get_policy(enclosing)
   rule = _find_rule(cls, path)
   return enclosing if rule is None else rule.policy(enclosing)

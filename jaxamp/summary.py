@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
+from jaxamp.report import _bytes
 from jaxamp.rules import path_name
 
 __all__ = ["summary", "Summary", "SummaryRow", "cast_module_params", "module_params"]
@@ -98,14 +99,6 @@ class Summary:
     return self.table()
 
 
-def _bytes(n: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return str(n)
-
-
 def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
   """Sort key putting parents before children and 'layers/2' before 'layers/10'."""
   if not path:
@@ -172,15 +165,14 @@ def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
   policies: dict[str, Policy] = {}
   for path, _, policy in plan:
     policies.setdefault(path, policy)
-  target = {name: np.dtype(dtype_of(policies[owner]))
-            for owner, leaves in module_params(params, list(policies)).items()
-            if owner in policies for name, _ in leaves}
+  module_paths = list(policies)
 
   def cast(path: Any, leaf: Any) -> Any:
-    dtype = target.get(_leaf_name(path))
-    if dtype is None or not is_floating_array(leaf) or leaf.dtype == dtype:
+    owner = _owner(_leaf_name(path), module_paths)
+    if owner not in policies or not is_floating_array(leaf):
       return leaf
-    return leaf.astype(dtype)
+    dtype = np.dtype(dtype_of(policies[owner]))
+    return leaf if leaf.dtype == dtype else leaf.astype(dtype)
 
   return jax.tree_util.tree_map_with_path(cast, params)
 
