@@ -139,8 +139,8 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
   for policy in policies:
     results += measure(
         candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]),
-        warmup=args.warmup, rounds=args.overhead_rounds or size.overhead_rounds,
-        steps=args.overhead_steps or size.overhead_steps, aot=False, inspect=False,
+        warmup=args.warmup, rounds=args.overhead_rounds, steps=args.overhead_steps,
+        aot=False, inspect=False,
         pairs=True)
   notes = ["jaxamp's step always checks the gradients for inf/NaN and skips a non-finite "
            "step (bfloat16 and float32 included) and computes the gradient norm for its "
@@ -158,8 +158,7 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       "`dtype` set by hand; float16 scaling written with `jaxamp.scale_loss`, "
       "`jaxamp.dynamic_loss_scale` and `jaxamp.skip_nonfinite`. Each policy's pair is "
       "measured on its own, in interleaved rounds "
-      f"({args.overhead_rounds or size.overhead_rounds} × "
-      f"{args.overhead_steps or size.overhead_steps} steps); the ratio is the median of "
+      f"({args.overhead_rounds} × {args.overhead_steps} steps); the ratio is the median of "
       "the per-round ratios (the two steps of a policy run next to each other in a round).",
       results, notes=notes)
 
@@ -207,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.warmup = size.warmup if args.warmup is None else args.warmup
   args.rounds = size.rounds if args.rounds is None else args.rounds
   args.steps = size.steps if args.steps is None else args.steps
+  args.overhead_rounds = args.overhead_rounds or size.overhead_rounds
+  args.overhead_steps = args.overhead_steps or size.overhead_steps
   args.policies = [POLICY_FLAGS[p] for p in args.policies]
   impls = [IMPL_FLAGS[i] for i in args.impls if not (args.no_keras and i == "keras")]
   keras_note = "left out with --no-keras" if args.no_keras else None

@@ -72,7 +72,7 @@ def train_one(policy: str, data, args) -> dict[str, float]:
                                  policy=policy, has_aux=True, eval_fn=predict)
   state = train.init(CNN(nnx.Rngs(args.seed, dropout=args.seed + 1)))
   order = np.random.RandomState(args.seed)
-  timed_steps, timed_seconds = 0, 0.0
+  steps, timed_steps, timed_seconds = 0, 0, 0.0
   bar = tqdm(total=args.epochs * steps_per_epoch, desc=f"{policy:>15}", leave=True,
              disable=args.no_progress)
   for _ in range(args.epochs):
@@ -82,7 +82,8 @@ def train_one(policy: str, data, args) -> dict[str, float]:
       start = time.perf_counter()
       state, metrics = train.step(state, {"image": x_train[idx], "label": y_train[idx]})
       loss = float(metrics["loss"])  # waits for the step
-      if state.step > 1:  # the first step compiles
+      steps += 1
+      if steps > 1:  # the first step compiles
         timed_steps += 1
         timed_seconds += time.perf_counter() - start
       bar.update()
