@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.resnet import ResNet  # the example's model; its dtype= makes the hand-written twin
+from examples.resnet import ResNet, synthetic_batch  # its dtype= makes the hand-written twin
 
 Dtype = Any
 
@@ -152,10 +152,7 @@ def resnet_module(cfg: ResNetConfig, dtype: Dtype = None) -> ResNet:
 
 def image_batch(cfg: ResNetConfig, seed: int = 0) -> dict[str, jax.Array]:
   """Synthetic ImageNet-shaped data, as the classic AMP tutorials use."""
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  shape = (cfg.batch, cfg.image_size, cfg.image_size, 3)
-  return {"image": jax.random.normal(k1, shape, jnp.float32),
-          "label": jax.random.randint(k2, (cfg.batch,), 0, cfg.num_classes)}
+  return synthetic_batch(cfg.batch, cfg.image_size, cfg.num_classes, seed)
 
 
 # --- Keras 3 twins -----------------------------------------------------------------------------

@@ -93,11 +93,13 @@ def loss_fn(model: Any, batch: dict[str, jax.Array]):
   return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
 
 
-def synthetic_batch(args) -> dict[str, jax.Array]:
-  k1, k2 = jax.random.split(jax.random.key(args.seed))
-  shape = (args.batch_size, args.image_size, args.image_size, 3)
+def synthetic_batch(batch_size: int, image_size: int, num_classes: int,
+                    seed: int = 0) -> dict[str, jax.Array]:
+  """Random NHWC images and labels (the benchmarks use it too)."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  shape = (batch_size, image_size, image_size, 3)
   return {"image": jax.random.normal(k1, shape, jnp.float32),
-          "label": jax.random.randint(k2, (args.batch_size,), 0, args.num_classes)}
+          "label": jax.random.randint(k2, (batch_size,), 0, num_classes)}
 
 
 def build(name: str, model: ResNet, variables: Any, args):
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
   names = args.opt_level or args.policy or DEFAULT_POLICIES
   model = ResNet(args.stage_sizes, args.width, args.num_classes)
-  batch = synthetic_batch(args)
+  batch = synthetic_batch(args.batch_size, args.image_size, args.num_classes, args.seed)
   variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(args.seed),
                                                                   batch["image"])
   depth = 3 * sum(args.stage_sizes) + 2

@@ -114,7 +114,7 @@ def _tiny_resnet():
   model = resnet.ResNet((1,), 4, 10)
   args = type("Args", (), {"lr": 0.1, "half": "float16", "batch_size": 2, "image_size": 16,
                            "num_classes": 10, "seed": 0})()
-  batch = resnet.synthetic_batch(args)
+  batch = resnet.synthetic_batch(args.batch_size, args.image_size, args.num_classes, args.seed)
   variables = jax.jit(lambda k, x: model.init(k, x, train=False))(jax.random.key(0),
                                                                   batch["image"])
   return model, args, batch, variables
