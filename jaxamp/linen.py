@@ -342,30 +342,30 @@ class LinenPolicy:
 
   Attributes:
     module: the wrapped Linen module, unchanged.
-    policy: the model-level policy; None means :func:`jaxamp.global_policy` at call
-      (trace) time.
+    policy: the model-level policy (:func:`with_policy` without one takes
+      :func:`jaxamp.global_policy` when it wraps the module).
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
     >>> import jaxamp
-    >>> model = jaxamp.linen.with_policy(nn.BatchNorm(use_running_average=False))
+    >>> model = jaxamp.linen.with_policy(nn.BatchNorm(use_running_average=False),
+    ...                                  'mixed_bfloat16')
     >>> x = jnp.ones((4, 3))
     >>> variables = model.init(jax.random.key(0), x)
-    >>> with jaxamp.policy_scope('mixed_bfloat16'):
-    ...   y, state = model.apply(variables, x, mutable=['batch_stats'])
+    >>> y, state = model.apply(variables, x, mutable=['batch_stats'])
     >>> y.dtype, state['batch_stats']['mean'].dtype
     (dtype(bfloat16), dtype('float32'))
   """
 
   module: nn.Module
-  policy: Policy | None = None
+  policy: Policy
   _plans: collections.OrderedDict = dataclasses.field(
       default_factory=collections.OrderedDict, repr=False)
 
   def model_policy(self) -> Policy:
-    """The model-level policy now in force."""
-    return global_policy() if self.policy is None else self.policy
+    """The model-level policy."""
+    return self.policy
 
   def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
     """Like ``module.init``; parameters come back in each module's param dtype.
@@ -435,8 +435,9 @@ def with_policy(module: nn.Module, policy: PolicyLike | None = None) -> LinenPol
 
   Args:
     module: any Linen module; its layers may keep ``dtype=None``.
-    policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts), or
-      None for :func:`jaxamp.global_policy` at call time. Rules set with
+    policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts). None
+      takes :func:`jaxamp.global_policy` now, once: later ``set_global_policy`` calls
+      and scopes do not change the wrapper, eager or jitted. Rules set with
       :func:`jaxamp.set_policy` / :func:`jaxamp.policy_rules` refine it per module.
 
   Returns:
@@ -463,7 +464,9 @@ def with_policy(module: nn.Module, policy: PolicyLike | None = None) -> LinenPol
   if not isinstance(module, nn.Module):
     raise TypeError(f"jaxamp.linen.with_policy wraps a flax.linen.Module, got "
                     f"{type(module).__name__}; for an NNX module use jaxamp.nnx.with_policy.")
-  return LinenPolicy(module, None if policy is None else get_policy(policy))
+  # Resolved now, not per call: a jitted apply would otherwise freeze whatever policy
+  # was in force at its trace and silently ignore a later set_global_policy.
+  return LinenPolicy(module, global_policy() if policy is None else get_policy(policy))
 
 
 def module_policies(module: nn.Module, variables: Any, *args: Any,

@@ -488,8 +488,9 @@ class PolicyModule(nnx.Module):
 
   Attributes:
     module: the wrapped model.
-    policy: the model-level policy, or None for :func:`jaxamp.global_policy` at call
-      time (under ``jax.jit``, at trace time).
+    policy: the model-level policy. Made without one, the wrapper takes
+      :func:`jaxamp.global_policy` once, when it is made: later ``set_global_policy``
+      calls or scopes do not change it, eager or under ``jax.jit`` alike.
     recompute_norms: whether LayerNorm, RMSNorm and GroupNorm that compute wider than
       their inputs are recomputed in the backward pass.
   """
@@ -500,14 +501,13 @@ class PolicyModule(nnx.Module):
       raise TypeError(f"with_policy expects a flax.nnx.Module, got {type(module).__name__}; "
                       "for Linen modules use jaxamp.linen.with_policy.")
     self.module = module
-    self.policy = None if policy is None else get_policy(policy)
+    # Resolved now, not per call: a jitted call would otherwise freeze whatever policy was
+    # in force at its trace and silently ignore a later set_global_policy.
+    self.policy = global_policy() if policy is None else get_policy(policy)
     self.recompute_norms = bool(recompute_norms)
 
   def _model_policy(self) -> Policy:
-    if self.policy is not None:
-      return self.policy
-    enclosing = vars(self).get(_POLICY_ATTR)  # set when this wrapper is itself wrapped
-    return enclosing if enclosing is not None else global_policy()
+    return self.policy
 
   def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
     model = self.module
@@ -584,7 +584,8 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
   Args:
     model: an ``nnx.Module``, unmodified.
     policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts); None
-      means :func:`jaxamp.global_policy` at call time.
+      takes :func:`jaxamp.global_policy` now, once: the wrapper keeps it whatever
+      global policy or scope is in force when it is called (eager or jitted).
     recompute_norms: recompute ``nnx.LayerNorm``, ``nnx.RMSNorm`` and
       ``nnx.GroupNorm`` in the backward pass when they compute wider than their inputs
       (the float32 default inside a half-precision model), so reverse mode keeps their
@@ -599,12 +600,10 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
     >>> import jaxamp
     >>> from flax import nnx
     >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    >>> amp = jaxamp.nnx.with_policy(model)  # follows the global policy
     >>> with jaxamp.policy_scope('mixed_bfloat16'):
-    ...   amp(jnp.ones((1, 4))).dtype
+    ...   amp = jaxamp.nnx.with_policy(model)  # takes the policy in force now
+    >>> amp(jnp.ones((1, 4))).dtype  # and keeps it outside the scope
     dtype(bfloat16)
-    >>> amp(jnp.ones((1, 4))).dtype
-    dtype('float32')
   """
   return PolicyModule(model, policy, recompute_norms=recompute_norms)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import threading
 import warnings
 from collections.abc import Iterator
@@ -74,22 +75,59 @@ _DTYPE_TOKENS = {
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}
 
-_GRAMMAR = (
-    "Valid policies: a name in {names}; a jmp string 'params=DT,compute=DT,output=DT' "
-    "(keys may be shortened to p, c, o; params defaults to float32, compute to params, "
-    "output to compute; DT is one of {tokens} or 'half', which is bfloat16 on TPU and "
-    "float16 elsewhere); a bare DT; a jaxamp.Policy; a jmp.Policy; or a floating dtype."
-)
+_SUPPORTED = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), _FLOAT32, np.dtype(jnp.float64))
+
+# Common spellings of the names, for "did you mean" (torch/numpy habits).
+_ALIASES = {"fp16": "float16", "fp32": "float32", "fp64": "float64", "bf16": "bfloat16",
+            "f16": "float16", "f32": "float32", "f64": "float64", "half": "float16",
+            "float": "float32", "single": "float32", "double": "float64",
+            "brain_float16": "bfloat16", "bfloat": "bfloat16", "amp": "mixed_float16",
+            "mixed": "mixed_bfloat16", "mixed_precision": "mixed_bfloat16"}
 
 
-def _grammar() -> str:
-  return _GRAMMAR.format(names=", ".join(repr(n) for n in POLICY_NAMES),
-                         tokens=", ".join(sorted(_DTYPE_TOKENS)))
+def _valid() -> str:
+  return (f"Valid: {', '.join(repr(n) for n in POLICY_NAMES)}, or a jmp string such as "
+          "'params=float32,compute=bfloat16,output=float32' ('p=f32,c=bf16'); see "
+          "help(jaxamp.get_policy).")
+
+
+def _did_you_mean(spec: str, choices: Any = POLICY_NAMES) -> str:
+  """`` Did you mean 'x'?`` for a near miss of one of ``choices``, else ``''``."""
+  s = spec.strip().lower().replace("-", "_").replace(" ", "_")
+  mixed = s.startswith("mixed_")
+  body = s[len("mixed_"):] if mixed else s
+  body = _ALIASES.get(body, body)
+  guess = ("mixed_" + body) if mixed and body in ("float16", "bfloat16") else body
+  if guess in choices and guess != spec:
+    return f" Did you mean {guess!r}?"
+  close = difflib.get_close_matches(s, choices, n=1, cutoff=0.6)
+  return f" Did you mean {close[0]!r}?" if close and close[0] != spec else ""
+
+
+def _unknown(spec: Any, why: str | None = None) -> ValueError:
+  hint = _did_you_mean(spec) if isinstance(spec, str) else ""
+  why = why or f"Unknown policy {spec!r}."
+  return ValueError(f"{why}{hint} {_valid()}")
+
+
+def _is_array(value: Any) -> bool:
+  return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_python_type(value: Any) -> bool:
+  # By identity: np.dtype('float64') == float is True.
+  return any(value is t for t in (float, int, complex, bool))
 
 
 def _to_dtype(value: Any, what: str) -> np.dtype:
   if value is None:
     raise ValueError(f"{what} must be a floating dtype, got None.")
+  if _is_array(value):  # np.dtype(array) quietly means the array's dtype
+    raise ValueError(f"{what} must be a dtype, got an array of shape {value.shape}; pass "
+                     "its .dtype if you mean that.")
+  if _is_python_type(value):  # np.dtype(float) is float64
+    raise ValueError(f"{what} must be a dtype, got Python's {value.__name__}; name one: "
+                     "jnp.float32, jnp.bfloat16, jnp.float16.")
   try:
     dtype = np.dtype(value)
   except TypeError as e:
@@ -97,6 +135,14 @@ def _to_dtype(value: Any, what: str) -> np.dtype:
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
         f"{what} must be a floating dtype (float16, bfloat16, float32, float64), got {dtype}.")
+  if dtype not in _SUPPORTED:
+    raise ValueError(
+        f"{what} cannot be {dtype}: policies take float16, bfloat16, float32 or float64. "
+        "8-bit floats need per-tensor scaling, which a policy dtype cannot give; jaxamp "
+        "has no FP8 mode yet.")
+  if dtype == np.dtype(jnp.float64) and not jax.config.jax_enable_x64:
+    raise ValueError(f"{what} float64 needs 64-bit JAX, which is off (arrays would silently "
+                     "be float32): call jax.config.update('jax_enable_x64', True) first.")
   return dtype
 
 
@@ -205,7 +251,11 @@ def _parse_token(token: str, spec: str) -> Any:
   try:
     return _DTYPE_TOKENS[token]
   except KeyError:
-    raise ValueError(f"Unknown dtype {token!r} in policy {spec!r}. {_grammar()}") from None
+    tokens = (*_DTYPE_TOKENS, "half")
+    if "=" not in spec:
+      raise _unknown(spec) from None
+    raise ValueError(f"Unknown dtype {token!r} in policy {spec!r}."
+                     f"{_did_you_mean(token, tokens)} Dtypes: {', '.join(tokens)}.") from None
 
 
 def _parse_string(spec: str) -> Policy:
@@ -214,7 +264,7 @@ def _parse_string(spec: str) -> Policy:
     half = s[len("mixed_"):]
     if half in ("float16", "bfloat16"):
       return Policy(jnp.float32, half, half)
-    raise ValueError(f"Unknown policy {spec!r}. {_grammar()}")
+    raise _unknown(spec)
   if "=" not in s:
     dtype = _parse_token(s, spec)
     return Policy(dtype, dtype, dtype)
@@ -223,8 +273,11 @@ def _parse_string(spec: str) -> Policy:
     key, sep, value = part.partition("=")
     key = key.strip()
     if not sep or key not in _KEYS:
-      raise ValueError(f"Cannot parse {part!r} in policy {spec!r}: keys are params/p, "
-                       f"compute/c, output/o. {_grammar()}")
+      raise _unknown(spec, f"Cannot parse {part.strip()!r} in policy {spec!r}: keys are "
+                     "params (p), compute (c), output (o).")
+    if _KEYS[key] in found:
+      raise ValueError(f"Policy {spec!r} sets {_KEYS[key]} twice; give each of params (p), "
+                       "compute (c), output (o) at most once.")
     found[_KEYS[key]] = _parse_token(value, spec)
   return Policy(found.get("params", jnp.float32), found.get("compute"), found.get("output"))
 
@@ -242,7 +295,10 @@ def get_policy(spec: PolicyLike) -> Policy:
     The policy.
 
   Raises:
-    ValueError: ``spec`` names no policy; the message lists what is valid.
+    ValueError: ``spec`` names no policy (the message lists what is valid and suggests
+      a near miss: ``'fp16'`` -> ``'float16'``); a key is given twice; a dtype is not
+      float16, bfloat16, float32 or float64 (8-bit floats included), or float64 while
+      ``jax_enable_x64`` is off; ``spec`` is an array or a Python type.
 
   Example:
     >>> import jaxamp, jax.numpy as jnp
@@ -252,17 +308,21 @@ def get_policy(spec: PolicyLike) -> Policy:
   if isinstance(spec, Policy):
     return spec
   if spec is None:  # np.dtype(None) would quietly mean float64
-    raise ValueError(f"Cannot make a policy from None. {_grammar()}")
+    raise _unknown(spec, "Cannot make a policy from None.")
   if isinstance(spec, str):
     return _parse_string(spec)
   if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):
     return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+  if _is_array(spec) or _is_python_type(spec) or isinstance(spec, (int, float, complex)):
+    kind = ("an array" if _is_array(spec) else
+            f"Python's {spec.__name__}" if isinstance(spec, type) else repr(spec))
+    raise _unknown(spec, f"Cannot make a policy from {kind}.")
   try:
     dtype = np.dtype(spec)
   except TypeError:
-    raise ValueError(f"Cannot make a policy from {spec!r}. {_grammar()}") from None
+    raise _unknown(spec, f"Cannot make a policy from {spec!r}.") from None
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"Cannot make a policy from non-floating dtype {dtype}. {_grammar()}")
+    raise _unknown(spec, f"Cannot make a policy from non-floating dtype {dtype}.")
   return Policy(dtype, dtype, dtype)
 
 

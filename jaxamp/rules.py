@@ -109,8 +109,36 @@ def _defaults() -> dict[Any, Rule]:
   return {cls: Rule(cls, float32_compute) for cls in NORM_CLASSES}
 
 
-# Insertion order matters for path rules (latest wins); dicts keep it.
+# Insertion order matters for path rules (latest wins); dicts keep it. The process-wide
+# rules; a policy_rules block gives its thread a copy of its own (see _scopes).
 _rules: dict[Any, Rule] = _defaults()
+
+
+class _Scopes(threading.local):
+  """This thread's stack of policy_rules blocks, each the full rule set in force there."""
+
+  def __init__(self):
+    super().__init__()
+    self.stack: list[dict[Any, Rule]] = []
+
+
+_scopes = _Scopes()
+
+
+@contextlib.contextmanager
+def _editing() -> Iterator[dict[Any, Rule]]:
+  """The rule set this thread's set_policy/clear_policies edit, held under the lock.
+
+  The innermost policy_rules block's own copy, or the process-wide rules outside one.
+  """
+  with _lock:
+    yield _scopes.stack[-1] if _scopes.stack else _rules
+
+
+def _current() -> list[Rule]:
+  """The rules in force for this thread, in insertion order."""
+  with _editing() as rules:
+    return list(rules.values())
 
 
 _GLOB_TOKENS = re.compile(r"\*\*/|/\*\*$|^\*\*$|\*|\?|/|[^*?/]+")
@@ -162,17 +190,19 @@ def set_policy(target: Target, spec: RuleSpec | None) -> None:
     >>> jaxamp.clear_policies()
   """
   target = _check_target(target)
-  with _lock:
-    if spec is None:
-      _rules.pop(target, None)
-      return
+  if spec is not None:
     _check_spec(spec)
-    _rules.pop(target, None)  # re-setting a path rule makes it the most recent
-    _rules[target] = Rule(target, spec)
+  with _editing() as rules:
+    rules.pop(target, None)  # re-setting a path rule makes it the most recent
+    if spec is not None:
+      rules[target] = Rule(target, spec)
 
 
 def clear_policies() -> None:
   """Removes every rule set by users and restores the defaults (float32 norms).
+
+  Inside a :func:`policy_rules` block it clears that block's rules (for this thread,
+  until the block ends); outside one, the process-wide rules.
 
   Example:
     >>> import jaxamp
@@ -182,16 +212,20 @@ def clear_policies() -> None:
     >>> jaxamp.resolve_policy(nnx.Linear, 'l', 'float32').name
     'float32'
   """
-  with _lock:
-    _rules.clear()
-    _rules.update(_defaults())
+  with _editing() as rules:
+    rules.clear()
+    rules.update(_defaults())
 
 
 @contextlib.contextmanager
 def policy_rules(rules: Mapping[Target, RuleSpec | None] | None = None) -> Iterator[None]:
-  """Adds ``rules`` for the duration of a ``with`` block, then restores the previous rules.
+  """Adds ``rules`` for this thread for the duration of a ``with`` block.
 
-  Any :func:`set_policy` or :func:`clear_policies` call inside the block is undone too.
+  Thread-local, like :func:`jaxamp.policy_scope`: the block sees the rules in force when
+  it began plus ``rules``; other threads never see them, and they are gone on exit
+  (exceptions included). :func:`set_policy` or :func:`clear_policies` called inside the
+  block change the block's rules only, so they are undone on exit too; process-wide
+  rules set by another thread while the block runs are not seen inside it.
 
   Example:
     >>> import jaxamp
@@ -200,16 +234,21 @@ def policy_rules(rules: Mapping[Target, RuleSpec | None] | None = None) -> Itera
     ...   jaxamp.resolve_policy(nnx.LayerNorm, 'ln', jaxamp.get_policy('bfloat16')).name
     'bfloat16'
   """
-  with _lock:
-    saved = dict(_rules)
+  scoped = {_check_target(target): spec for target, spec in (rules or {}).items()}
+  for spec in scoped.values():
+    if spec is not None:
+      _check_spec(spec)
+  with _editing() as current:
+    block = dict(current)
+  for target, spec in scoped.items():
+    block.pop(target, None)
+    if spec is not None:
+      block[target] = Rule(target, spec)
+  _scopes.stack.append(block)
   try:
-    for target, spec in (rules or {}).items():
-      set_policy(target, spec)
     yield
   finally:
-    with _lock:
-      _rules.clear()
-      _rules.update(saved)
+    _scopes.stack.pop()
 
 
 @contextlib.contextmanager
@@ -231,9 +270,9 @@ def norm_defaults(spec: RuleSpec | None) -> Iterator[None]:
     >>> jaxamp.resolve_policy(nnx.LayerNorm, 'n', half).name
     'params=float16,compute=float32,output=float16'
   """
-  with _lock:
+  with _editing() as rules:
     defaults = [cls for cls in NORM_CLASSES
-                if cls in _rules and _rules[cls].spec is float32_compute]
+                if cls in rules and rules[cls].spec is float32_compute]
   with policy_rules({cls: spec for cls in defaults}):
     yield
 
@@ -245,8 +284,7 @@ def _matches(target: Any, path: str) -> bool:
 
 
 def _find_rule(cls: type, path: str) -> Rule | None:
-  with _lock:
-    rules = list(_rules.values())
+  rules = _current()
   path = path.strip("/")
   path_rules = [r for r in rules if not isinstance(r.target, type)]
   for rule in reversed(path_rules):  # latest wins

@@ -319,19 +319,22 @@ def test_norm_default_is_overridable():
     assert overridden.apply(variables, x).dtype == BF16
 
 
-def test_policy_none_follows_global_policy_and_scope():
-  model = jl.with_policy(Net())
-  variables = init(model, X2)
-  assert model.apply(variables, X2).dtype == F32
+def test_policy_none_takes_the_global_policy_at_wrap_time():
   with jaxamp.policy_scope("mixed_bfloat16"):
-    assert model.apply(variables, X2).dtype == BF16
-    assert policies_by_path(Net(), variables, X2)["head"] == "mixed_bfloat16"
+    model = jl.with_policy(Net())
+    assert policies_by_path(Net(), init(model, X2), X2)["head"] == "mixed_bfloat16"
+  variables = init(model, X2)
+  jitted = jax.jit(model.apply)
+  assert model.apply(variables, X2).dtype == BF16  # kept outside the scope
+  assert jitted(variables, X2).dtype == BF16
   try:
     jaxamp.set_global_policy("mixed_float16")
-    assert model.apply(variables, X2).dtype == F16
+    # Eager and jitted agree; neither follows a later global change.
+    assert model.apply(variables, X2).dtype == BF16
+    assert jitted(variables, X2).dtype == BF16
+    assert jl.with_policy(Net()).apply(variables, X2).dtype == F16  # a new wrapper does
   finally:
     jaxamp.set_global_policy("float32")
-  assert model.apply(variables, X2).dtype == F32
 
 
 def test_module_policies_lists_each_module_once_in_call_order():

@@ -349,29 +349,33 @@ def test_norm_default_is_float32_compute_and_overridable():
   assert "bf16[8] = convert_element_type" in jaxpr  # the scale is read in bf16
 
 
-def test_policy_none_follows_global_policy_and_scopes():
+def test_policy_none_takes_the_global_policy_at_wrap_time():
   layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-  amp = with_policy(layer)
   x = jnp.ones((1, 4))
-  assert amp(x).dtype == F32
   with jaxamp.policy_scope("mixed_float16"):
-    assert amp(x).dtype == F16
-    assert module_policies(amp)[0][2].name == "mixed_float16"
+    amp = with_policy(layer)
+  assert amp.policy.name == "mixed_float16"
+  assert amp(x).dtype == F16  # outside the scope: the wrapper kept its policy
+  jitted = nnx.jit(lambda m, x: m(x))
+  assert jitted(amp, x).dtype == F16
   try:
     jaxamp.set_global_policy("mixed_bfloat16")
-    assert amp(x).dtype == BF16
+    # Eager and jitted calls agree: neither follows a later global change.
+    assert amp(x).dtype == F16
+    assert jitted(amp, x).dtype == F16
+    assert with_policy(layer)(x).dtype == BF16  # a new wrapper takes the new global
   finally:
     jaxamp.set_global_policy("float32")
 
 
 def test_scopes_are_per_thread():
-  amp = with_policy(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
   other = []
   with jaxamp.policy_scope("mixed_bfloat16"):
-    t = threading.Thread(target=lambda: other.append(amp(jnp.ones((1, 4))).dtype))
+    t = threading.Thread(target=lambda: other.append(with_policy(layer)(jnp.ones((1, 4))).dtype))
     t.start()
     t.join()
-    assert amp(jnp.ones((1, 4))).dtype == BF16
+    assert with_policy(layer)(jnp.ones((1, 4))).dtype == BF16
   assert other == [F32]
 
 

@@ -46,9 +46,10 @@ HALF = F16 if jax.default_backend() != "tpu" else BF16  # jmp's 'half'
     (np.dtype("float32"), (F32, F32, F32)),
 ])
 def test_parsing_table(spec, expected):
-  p = jaxamp.get_policy(spec)
-  assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
-  assert jaxamp.get_policy(p.name) == p  # the name round-trips
+  with jax.enable_x64(F64 in expected):
+    p = jaxamp.get_policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+    assert jaxamp.get_policy(p.name) == p  # the name round-trips
 
 
 def test_parsing_matches_jmp_on_its_own_strings():
@@ -75,9 +76,60 @@ def test_bad_specs_list_what_is_valid(bad):
   with pytest.raises(ValueError) as err:
     jaxamp.get_policy(bad)
   msg = str(err.value)
-  for name in jaxamp.POLICY_NAMES:
-    assert repr(name) in msg
-  assert "params=DT,compute=DT,output=DT" in msg and "bf16" in msg and "half" in msg
+  if not (isinstance(bad, str) and "=" in bad and ":" not in bad and "x=" not in bad):
+    for name in jaxamp.POLICY_NAMES:
+      assert repr(name) in msg
+    assert "'p=f32,c=bf16'" in msg
+  else:  # a bad dtype inside a jmp string lists the dtype tokens
+    assert "bf16" in msg and "half" in msg
+  assert len(msg) <= 320, msg  # short enough to read
+
+
+@pytest.mark.parametrize("bad,suggestion", [
+    ("mixed-bfloat16", "mixed_bfloat16"), ("fp16", "float16"), ("mixed_fp16", "mixed_float16"),
+    ("Mixed_BFloat16", "mixed_bfloat16"), ("flaot32", "float32"), ("mixed_bf16", "mixed_bfloat16"),
+    ("p=f32,c=fp16", "float16"),
+])
+def test_near_misses_say_did_you_mean(bad, suggestion):
+  with pytest.raises(ValueError, match=f"Did you mean '{suggestion}'\\?"):
+    jaxamp.get_policy(bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("p=f32,p=f16", "sets params twice"),
+    ("params=f32,c=bf16,p=bf16", "sets params twice"),
+    ("c=bf16,compute=f16", "sets compute twice"),
+    (jnp.ones(3), "from an array"),
+    (np.float32(1.0), "from an array"),
+    (float, "Python's float"),
+    (1.0, "from 1.0"),
+    (jnp.float8_e4m3fn, "cannot be float8_e4m3fn.*no FP8 mode"),
+    ("p=f32,c=f32,o=f32", None),
+])
+def test_ambiguous_or_unsupported_specs_are_refused(bad, match):
+  if match is None:  # a control: the same grammar with each key once is fine
+    assert jaxamp.get_policy(bad).name == "float32"
+    return
+  with pytest.raises(ValueError, match=match):
+    jaxamp.get_policy(bad)
+
+
+def test_float8_and_arrays_are_refused_as_policy_dtypes():
+  with pytest.raises(ValueError, match="cannot be float8_e5m2"):
+    jaxamp.Policy(jnp.float32, jnp.float8_e5m2)
+  with pytest.raises(ValueError, match="got an array"):
+    jaxamp.Policy(jnp.zeros((), jnp.float32))
+  with pytest.raises(ValueError, match="Python's float"):
+    jaxamp.Policy(float)
+
+
+def test_float64_needs_x64():
+  assert not jax.config.jax_enable_x64
+  for spec in ("float64", "p=f64,c=f32", np.float64):
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+      jaxamp.get_policy(spec)
+  with jax.enable_x64(True):
+    assert jaxamp.get_policy("float64").compute_dtype == F64
 
 
 def test_value_semantics():

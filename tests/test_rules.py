@@ -1,6 +1,7 @@
 """Tests for jaxamp.rules: class and path rules, precedence, defaults, scoped rules."""
 
 import re
+import threading
 
 import pytest
 from flax import linen as nn
@@ -126,3 +127,60 @@ def test_norm_defaults_replace_only_the_default_rules():
       assert jaxamp.resolve_policy(nnx.BatchNorm, "bn", half) == half
     # Restored after the block.
     assert jaxamp.resolve_policy(nnx.BatchNorm, "bn", half) == jaxamp.float32_compute(half)
+
+
+def test_policy_rules_are_thread_local_and_never_leak():
+  # Two threads' blocks interleave: A enters, B enters, A exits, B exits. With one
+  # process-wide rule table, B's exit restored A's rule (a leak) and A saw B's rules.
+  f32 = jaxamp.get_policy("float32")
+  seen = {}
+  a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+  def resolve(path):
+    return jaxamp.resolve_policy(nnx.Linear, path, f32).name
+
+  def thread_a():
+    with jaxamp.policy_rules({"a": "mixed_bfloat16"}):
+      a_in.set()
+      b_in.wait(5)
+      seen["a sees b"] = resolve("b")
+      seen["a sees a"] = resolve("a")
+    a_out.set()
+
+  def thread_b():
+    a_in.wait(5)
+    with jaxamp.policy_rules({"b": "mixed_float16"}):
+      seen["b sees a"] = resolve("a")
+      b_in.set()
+      a_out.wait(5)
+      jaxamp.set_policy("c", "bfloat16")  # inside a block: the block's own rule
+      seen["b sees c"] = resolve("c")
+    seen["b after exit"] = (resolve("a"), resolve("b"), resolve("c"))
+
+  threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert seen == {"a sees a": "mixed_bfloat16", "a sees b": "float32",
+                  "b sees a": "float32", "b sees c": "bfloat16",
+                  "b after exit": ("float32", "float32", "float32")}
+  assert resolve("a") == resolve("b") == resolve("c") == "float32"  # nothing leaked
+
+
+def test_set_policy_outside_a_block_is_process_wide():
+  f32 = jaxamp.get_policy("float32")
+  out = []
+  try:
+    jaxamp.set_policy("head", "mixed_bfloat16")
+    t = threading.Thread(target=lambda: out.append(
+        jaxamp.resolve_policy(nnx.Linear, "head", f32).name))
+    t.start()
+    t.join()
+    assert out == ["mixed_bfloat16"]
+    with jaxamp.policy_rules():
+      jaxamp.clear_policies()  # clears the block's rules only
+      assert jaxamp.resolve_policy(nnx.Linear, "head", f32).name == "float32"
+    assert jaxamp.resolve_policy(nnx.Linear, "head", f32).name == "mixed_bfloat16"
+  finally:
+    jaxamp.set_policy("head", None)
