@@ -52,6 +52,7 @@ __all__ = [
     "LossScaleState",
     "SkipNonfiniteState",
     "all_finite",
+    "check_loss_scale_placement",
     "dynamic_loss_scale",
     "get_loss_scale",
     "loss_scale_for",
@@ -116,10 +117,12 @@ def _hyperparameter(name: str, value: Any) -> float:
 
 
 def _check_scale(name: str, value: Any) -> float:
+  """``value`` as a Python float that stays positive and finite in float32."""
   number = _hyperparameter(name, value)
-  if not 0 < number <= _FLOAT32_MAX:
-    raise ValueError(f"{name} must be > 0 and <= {_FLOAT32_MAX:.6g} (the float32 maximum), "
-                     f"got {value!r}.")
+  # The scale lives in a float32 state: 1e-50 would round to 0 there, 1e39 to inf.
+  if not (0 < number <= _FLOAT32_MAX and np.float32(number) > 0):
+    raise ValueError(f"{name} must be > 0 and float32 must hold it (about 1.4e-45 to "
+                     f"{_FLOAT32_MAX:.4g}, the float32 maximum), got {value!r}.")
   return number
 
 
@@ -169,12 +172,16 @@ def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
-                growth_interval: int | None, min_scale: float, max_scale: float,
-                unscale: bool = True) -> optax.GradientTransformation:
+                growth_interval: int | None, min_scale: float,
+                max_scale: float) -> optax.GradientTransformation:
   """The shared rule; arguments are already validated Python numbers.
 
-  ``growth_interval=None`` never grows; ``unscale=False`` skips the division
-  (for a scale fixed at 1).
+  ``growth_interval=None`` never grows. Gradients are always divided by the scale in
+  the *state*, the one :func:`scale_loss` multiplied by, even a scale this
+  transformation would not have chosen (a state restored from a run with another loss
+  scale): scaling and unscaling can never disagree. The next scale is then clamped into
+  ``[min_scale, max_scale]``, so such a state takes this transformation's rule from its
+  next step on (a fixed scale returns to its value).
   """
 
   def init_fn(params: Any) -> LossScaleState:
@@ -196,8 +203,7 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
       wide = jnp.promote_types(g.dtype, jnp.float32)
       return (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
 
-    if unscale:
-      updates = jax.tree.map(unscale_leaf, updates)
+    updates = jax.tree.map(unscale_leaf, updates)
     # Checked after unscaling: a scale below 1 can overflow a finite float16 gradient.
     finite = all_finite(updates)
     updates = _zero_unless(finite, updates)
@@ -209,8 +215,9 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
       grow = count >= growth_interval
     grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
     backed_off = jnp.maximum(scale * backoff_factor, min_scale)
+    new_scale = jnp.clip(jnp.where(finite, grown, backed_off), min_scale, max_scale)
     new_state = LossScaleState(
-        scale=jnp.where(finite, grown, backed_off).astype(jnp.float32),
+        scale=new_scale.astype(jnp.float32),
         growth_count=jnp.where(finite & ~grow, count, 0).astype(jnp.int32),
         finite=finite,
         overflow_steps=(state.overflow_steps + jnp.where(finite, 0, 1)).astype(jnp.int32))
@@ -323,7 +330,101 @@ def no_loss_scale() -> optax.GradientTransformation:
     >>> updates['w'].tolist(), int(state.overflow_steps), float(state.scale)
     ([0.0, 0.0], 1, 1.0)
   """
-  return _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0, unscale=False)
+  return _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0)
+
+
+# Wrappers that hand their inner transformation every step's whole gradient tree and keep
+# its state as it returns it: a loss scale may sit inside them (first in their chain).
+_PASS_THROUGH = {"SkipNonfiniteState": "inner_state",
+                 "InjectHyperparamsState": "inner_state",
+                 "InjectStatefulHyperparamsState": "inner_state"}
+
+_PUT_IT_FIRST = ("Put the loss scale first, outside any wrapper: optax.chain("
+                 "jaxamp.dynamic_loss_scale(), optax.clip_by_global_norm(1.0), optax.adamw(3e-4))")
+
+# Why a loss scale must not sit inside these (by state class name).
+_WRAPPER_PROBLEMS = {
+    "MultiStepsState": (
+        "optax.MultiSteps hands it accumulated gradients, keeps its state only every k-th "
+        "step (so it reports a stale overflow in between) and turns one overflow into NaN "
+        "for every later window. Put the loss scale outside: jaxamp.skip_nonfinite("
+        "optax.chain(jaxamp.dynamic_loss_scale(), optax.MultiSteps(opt, k))), or use "
+        "make_train_step(..., grad_accum_steps=k)"),
+    "ApplyIfFiniteState": (
+        "optax.apply_if_finite drops an overflowing step before the loss scale sees it, so "
+        "the scale never backs off. Use jaxamp.skip_nonfinite(optax.chain("
+        "jaxamp.dynamic_loss_scale(), ...)) instead"),
+    "MaskedState": (
+        "optax.masked hands it only part of the gradients; the rest stays multiplied by the "
+        "scale. " + _PUT_IT_FIRST),
+}
+for _name in ("MultiTransformState", "PartitionState"):
+  _WRAPPER_PROBLEMS[_name] = (
+      "optax.multi_transform (optax.partition) hands it only part of the gradients; the "
+      "rest stays multiplied by the scale. " + _PUT_IT_FIRST)
+
+
+def _placement_problem(opt_state: Any, path: tuple[Any, ...]) -> str | None:
+  """Why the loss scale at ``path`` of ``opt_state`` does not see raw gradients first."""
+  node = opt_state
+  for key in path:
+    name = type(node).__name__
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a NamedTuple state
+      field = getattr(key, "name", None)
+      if _PASS_THROUGH.get(name) == field:
+        node = getattr(node, field)
+        continue
+      return _WRAPPER_PROBLEMS.get(name, (
+          f"jaxamp cannot tell whether the transformation whose state is {name} hands it "
+          f"every step's whole, untouched gradients. {_PUT_IT_FIRST}"))
+    if isinstance(node, (tuple, list)):  # optax.chain: the first element only
+      if getattr(key, "idx", None) != 0:
+        return ("an earlier element of the chain would see (and clip, or decay with) "
+                f"gradients still multiplied by the scale. {_PUT_IT_FIRST}")
+      node = node[0]
+      continue
+    if isinstance(node, dict):  # optax.named_chain: the first name, in chain order
+      first = next(iter(node))
+      if getattr(key, "key", None) != first:
+        return (f"optax.named_chain applies {first!r} before it, which would see gradients "
+                f"still multiplied by the scale. {_PUT_IT_FIRST}")
+      node = node[first]
+      continue
+    return (f"jaxamp cannot tell what the {name} around it does to the gradients. "
+            f"{_PUT_IT_FIRST}")
+  return None
+
+
+def check_loss_scale_placement(opt_state: Any) -> None:
+  """Raises a ValueError unless every loss scale in ``opt_state`` sees raw gradients first.
+
+  A loss scale must be the first element of the optimizer, applied to every step's whole
+  gradient tree: inside ``optax.chain`` / ``optax.named_chain`` (first),
+  :func:`skip_nonfinite` and ``optax.inject_hyperparams``. After another element (which
+  would clip or decay scaled gradients), inside ``optax.masked`` /
+  ``optax.multi_transform`` (part of the tree left scaled), ``optax.MultiSteps`` or
+  ``optax.apply_if_finite`` it trains wrongly; the error says what to write instead.
+  :func:`scale_loss` and :func:`jaxamp.make_train_step` call it.
+
+  Args:
+    opt_state: an optimizer state, or its ``jax.eval_shape`` skeleton.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> bad = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.dynamic_loss_scale())
+    >>> jaxamp.check_loss_scale_placement(bad.init(jnp.ones(2)))
+    Traceback (most recent call last):
+    ...
+    ValueError: The loss scale at [1] of the optimizer state is misplaced: an earlier element ...
+  """
+  is_state = lambda x: isinstance(x, LossScaleState)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_state)[0]:
+    if not is_state(leaf):
+      continue
+    problem = _placement_problem(opt_state, path)
+    if problem is not None:
+      raise ValueError(f"The loss scale at {jax.tree_util.keystr(path)} of the optimizer "
+                       f"state is misplaced: {problem}.")
 
 
 def _loss_scale_states(opt_state: Any) -> list[LossScaleState]:
@@ -369,12 +470,17 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   Differentiate this, not ``loss``: the backward pass then runs on scaled values,
   which the loss-scale transformation divides out again.
 
+  Raises:
+    ValueError: the loss scale in ``opt_state`` does not see the raw gradients first
+      (see :func:`check_loss_scale_placement`); the message says what to write instead.
+
   Example:
     >>> import jax.numpy as jnp, jaxamp
     >>> state = jaxamp.static_loss_scale(8.0).init(None)
     >>> jaxamp.scale_loss(jnp.float16(1.5), state)
     Array(12., dtype=float32)
   """
+  check_loss_scale_placement(opt_state)
   return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
 
 

@@ -130,11 +130,18 @@ def _float32_norm(enclosing: Policy) -> Policy:
 def _check_loss_scale(value: Any) -> LossScaleSpec:
   if value is None or value == "dynamic" or callable(value):
     return value
-  if (isinstance(value, numbers.Real) and not isinstance(value, bool)
-      and np.isfinite(value) and value > 0):
-    return value
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    from jaxamp.loss_scale import _check_scale  # pylint: disable=g-import-not-at-top
+
+    try:
+      _check_scale("loss_scale", value)  # now, not when the step is built
+      return value
+    except ValueError as e:
+      reason = f" ({e})"
+  else:
+    reason = ""
   raise ValueError(f"loss_scale must be 'dynamic', None, a positive finite number or a "
-                   f"zero-argument factory, got {value!r}.")
+                   f"zero-argument factory, got {value!r}{reason}.")
 
 
 def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -141,6 +141,84 @@ class _Float32Outputs:
       return lambda *a, **k: cast_floating(attr(*a, **k), _F32)
     return attr
 
+  def __getitem__(self, key: Any) -> Any:
+    if not hasattr(self.module.module, "__getitem__"):
+      raise TypeError(f"loss_fn indexed the model with {key!r}, as if it were the batch: "
+                      "loss_fn is called as loss_fn(model, batch). Are its arguments "
+                      "swapped?")
+    return self.module[key]
+
+
+_LOSS_FN_HINT = ("jaxamp calls loss_fn(model, batch): model is the model running under its "
+                 "policy (call it: model(batch['x'])), batch is what was passed to "
+                 "train.step. Check the order of loss_fn's arguments, and that it does not "
+                 "expect parameters in place of the model.")
+
+
+def _check_signature(fn: Callable[..., Any], what: str) -> None:
+  """Refuses a ``what`` (loss_fn, eval_fn) that cannot be called as ``fn(model, batch)``."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return  # no signature to read (a builtin, say): the call itself will tell
+  try:
+    signature.bind(None, None)
+  except TypeError as e:
+    raise TypeError(f"{what} must take (model, batch), but {what}{signature} cannot be "
+                    f"called so ({e}).") from None
+
+
+def _split_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+  """``loss_fn``'s result as ``(float32 scalar loss, aux)``, or a TypeError naming the fix."""
+  if has_aux:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(f"With has_aux=True, loss_fn must return (loss, aux); it returned "
+                      f"{_describe(out)}.")
+    loss, aux = out
+  elif isinstance(out, (tuple, list)):
+    raise TypeError(f"loss_fn returned a {type(out).__name__} of {len(out)} items; a loss_fn "
+                    "that returns (loss, aux) needs make_train_step(..., has_aux=True).")
+  else:
+    loss, aux = out, None
+  try:
+    loss = jnp.asarray(loss)
+  except TypeError:
+    raise TypeError(f"loss_fn must return a scalar float loss, got {_describe(loss)}.") from None
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}; a loss of "
+                    "another dtype has no gradient.")
+  if loss.shape != ():
+    raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce it "
+                     "(e.g. .mean()).")
+  return loss.astype(_F32), aux
+
+
+def _describe(x: Any) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)} items"
+  shape = getattr(x, "shape", None)
+  return f"an array of shape {shape}" if shape is not None else f"a {type(x).__name__}"
+
+
+def _state_mismatch(state: Any, expected: Any) -> str | None:
+  """What differs between ``state`` and ``expected`` (an abstract TrainState), or None."""
+  if not isinstance(state, TrainState):
+    return f"it is a {type(state).__name__}, not a jaxamp.TrainState"
+  fields = {"params": "another model", "opt_state": "another optimizer or loss scale",
+            "model_state": "another model", "step": None, "rng": None}
+  for field, cause in fields.items():
+    got, want = getattr(state, field), getattr(expected, field)
+    if jax.tree.structure(got) != jax.tree.structure(want):
+      why = f" (made for {cause}?)" if cause else ""
+      return f"its {field} has another structure than this step's{why}"
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+    for (path, g), w in zip(got_leaves, jax.tree.leaves(want)):
+      if (jnp.shape(g), jnp.result_type(g)) != (w.shape, w.dtype):
+        return (f"its {field}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
+                f"{list(jnp.shape(g))} where this step's is {w.dtype}{list(w.shape)} (made "
+                "under another policy or model?)")
+  return None
+
 
 # --- model adapters: how a model is split into state and called from the state --------
 
@@ -204,6 +282,21 @@ class _LinenAdapter:
     return self.module, {"params": state.params, **state.model_state}
 
 
+def _skip_on_param_overflow(params_finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` optimizer state where ``params_finite``, else ``old`` with the step counted
+  as skipped in its loss-scale state (the scale itself is kept: it did not cause this)."""
+
+  def pick(n: Any, o: Any) -> Any:
+    if isinstance(n, _ls.LossScaleState):
+      skipped = o._replace(growth_count=jnp.zeros_like(o.growth_count),
+                           finite=jnp.asarray(False),
+                           overflow_steps=o.overflow_steps + 1)
+      return _ls._select_tree(params_finite, n, skipped)
+    return _ls._select_tree(params_finite, n, o)
+
+  return jax.tree.map(pick, new, old, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
+
+
 # --- the factory --------------------------------------------------------------------------
 
 
@@ -227,6 +320,9 @@ class TrainStep:
     if mesh is not None and batch_axis not in mesh.axis_names:
       raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh; its axes are "
                        f"{tuple(mesh.axis_names)}.")
+    _check_signature(loss_fn, "loss_fn")
+    if eval_fn is not None:
+      _check_signature(eval_fn, "eval_fn")
     self.policy = policy
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn if eval_fn is not None else loss_fn
@@ -252,6 +348,9 @@ class TrainStep:
     self._adapter: Any = None
     self._step_jit: Any = None
     self._eval_jit: Any = None
+    # The skeleton of the state init made, and the last state step returned (known good).
+    self._expected: Any = None
+    self._last_state: Any = None
     self.trace_count = 0
 
   # -- setup --
@@ -328,22 +427,35 @@ class TrainStep:
     self._compile()
     if self.mesh is not None:
       state = jax.device_put(state, self._replicated())
+    self._expected = abstract_state(state)
+    self._last_state = None  # states made before this init must pass the check
     return state
+
+  def check_state(self, state: Any) -> None:
+    """Raises a ValueError unless ``state`` fits this step (the one its ``init`` made).
+
+    ``step`` and ``eval_step`` call it for any state they did not return themselves (a
+    restored checkpoint, a state from another step, one made before a later ``init``):
+    its structure, shapes and dtypes must match. The loss scale travels with the state:
+    whatever scale it holds is the one its next step multiplies and divides by, so a
+    state saved under ``mixed_float16`` resumes correctly under a bfloat16 step (which
+    then returns the scale to 1).
+    """
+    if self._expected is None:
+      raise RuntimeError("Call train.init(...) first.")
+    problem = _state_mismatch(state, self._expected)
+    if problem is not None:
+      raise ValueError(f"This state does not fit this train step: {problem}. Use a state made "
+                       "by this step's init (or restored into jaxamp.abstract_state of one); "
+                       "a step re-initialised with another model runs only its new states.")
 
   def _build_optimizer(self, params: Any) -> optax.GradientTransformation:
     shapes = jax.eval_shape(self._user_optimizer.init, params)
-    found = optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState")
-    for path, _ in found:
-      # An element before the loss scale in a chain (clipping, say) would see scaled
-      # gradients: torch's "clip before unscale" pitfall.
-      if any(isinstance(k, jax.tree_util.SequenceKey) and k.idx > 0 for k in path):
-        raise ValueError(
-            f"The loss-scale element sits at {jax.tree_util.keystr(path)} of the optimizer's "
-            "chain, after another element that would then see scaled gradients. Put it "
-            "first: optax.chain(jaxamp.dynamic_loss_scale(), optax.clip_by_global_norm(1.0), "
-            "optax.adamw(3e-4)).")
+    # After clipping (torch's "clip before unscale" pitfall), inside masked/MultiSteps...:
+    # refused, with what to write instead.
+    _ls.check_loss_scale_placement(shapes)
     tx = self._user_optimizer
-    if not found:
+    if not optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState"):
       scale = (self.level.make_loss_scale() if self.level is not None
                else _ls.loss_scale_for(self.policy))
       tx = optax.chain(scale, tx)
@@ -370,7 +482,11 @@ class TrainStep:
     """One training step; compiled once per batch shape. Donates ``state`` by default."""
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.step(...).")
-    return self._step_jit(state, batch)
+    if state is not self._last_state:  # the step's own output needs no check
+      self.check_state(state)
+    new_state, metrics = self._step_jit(state, batch)
+    self._last_state = new_state
+    return new_state, metrics
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
@@ -381,6 +497,8 @@ class TrainStep:
     """
     if self._eval_jit is None:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
+    if state is not self._last_state:
+      self.check_state(state)
     return self._eval_jit(state, batch)
 
   def model(self, state: TrainState) -> Any:
@@ -397,11 +515,7 @@ class TrainStep:
     def scaled_loss(p, ms, mb, key):
       model, new_state = self._adapter.bind(p, ms, key, self.policy, train=True,
                                             float32_outputs=self.float32_outputs)
-      out = self.loss_fn(model, mb)
-      loss, aux = out if self.has_aux else (out, None)
-      loss = jnp.asarray(loss).astype(_F32)
-      if loss.shape != ():
-        raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}.")
+      loss, aux = _split_loss(self._call_user(self.loss_fn, model, mb), self.has_aux)
       return loss * scale, (loss, aux, new_state())
 
     grad_fn = jax.grad(self._autocast(scaled_loss), has_aux=True)
@@ -475,6 +589,15 @@ class TrainStep:
     batch = jax.tree.map(lambda x: put(x, data), batch)
     return sharded(state.params, state.model_state, batch, rng, scale)
 
+  @staticmethod
+  def _call_user(fn: Callable[..., Any], model: Any, batch: Any) -> Any:
+    """``fn(model, batch)``; a TypeError, AttributeError or lookup error gets a hint."""
+    try:
+      return fn(model, batch)
+    except (TypeError, AttributeError, KeyError, IndexError) as e:
+      e.add_note(_LOSS_FN_HINT)
+      raise
+
   def _autocast(self, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under the opt level's autocast (O1), else ``fn`` itself."""
     if self.level is None or not self.level.autocast:
@@ -511,7 +634,14 @@ class TrainStep:
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
-    finite = ls_state.finite
+    finite = grads_finite = ls_state.finite
+    # A float16 parameter past 65504 (a master weight that grew, or a float16 update) would
+    # be stored as inf: skip such a step like an overflowing one.
+    params_finite = self._params_finite(params)
+    if params_finite is not None:
+      finite = finite & params_finite
+      opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
+      ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     # A skipped step leaves no trace but the loss scale: a run that overflows on batch k
     # ends where a run that never saw batch k ends.
     params = _ls._select_tree(finite, params, state.params)
@@ -521,10 +651,12 @@ class TrainStep:
     metrics: dict[str, Any] = {
         "loss": loss,
         "loss_scale": ls_state.scale,
-        "grads_finite": finite,
+        "grads_finite": grads_finite,
         "grad_norm": grad_norm,
         "skipped_steps": ls_state.overflow_steps,
     }
+    if params_finite is not None:
+      metrics["params_finite"] = params_finite
     if self.debug_nonfinite:
       leaves = jax.tree_util.tree_flatten_with_path(
           grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
@@ -539,11 +671,17 @@ class TrainStep:
                            model_state=model_state, rng=next_rng)
     return new_state, metrics
 
+  @staticmethod
+  def _params_finite(params: Any) -> jax.Array | None:
+    """Whether every float16 parameter is finite; None if none is stored in float16."""
+    half = [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
+    return _ls.all_finite(half) if half else None
+
   def _eval_impl(self, state: TrainState, batch: Any):
     def run(params, model_state, batch):
       model, _ = self._adapter.bind(params, model_state, state.rng, self.policy, train=False,
                                     float32_outputs=self.float32_outputs)
-      return cast_floating(self.eval_fn(model, batch), _F32)
+      return cast_floating(self._call_user(self.eval_fn, model, batch), _F32)
 
     with self._level_rules():
       return self._autocast(run)(state.params, state.model_state, batch)

@@ -1,5 +1,6 @@
 """Tests for jaxamp.loss_scale: the update rule, unscaling, skipping and helpers."""
 
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -236,17 +237,102 @@ def test_later_elements_see_unscaled_gradients():
   np.testing.assert_array_equal(updates["w"], true_grads["w"])
 
 
-def test_multisteps_updates_the_scale_once_per_accumulated_step():
+def test_a_loss_scale_inside_multisteps_is_refused():
+  # What it did: MultiSteps multiplies its accumulator by (1 - emit), so after one overflow
+  # window 0 * inf = NaN poisons every later window and the scale only ever backs off.
   opt = optax.MultiSteps(optax.chain(jaxamp.dynamic_loss_scale(initial_scale=8.0),
                                      optax.sgd(1.0)), every_k_schedule=2)
   update = jax.jit(opt.update)
   params = {"w": jnp.zeros(2)}
   state = opt.init(params)
-  _, state = update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
-  assert float(jaxamp.get_loss_scale(state)) == 8.0  # micro-step: scale untouched
-  updates, state = update({"w": jnp.array([1.0, 1.0])}, state, params)
-  assert float(jaxamp.get_loss_scale(state)) == 4.0
-  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+  for g in ([jnp.inf, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]):  # one bad micro-batch
+    _, state = update({"w": jnp.array(g)}, state, params)
+  assert float(jaxamp.get_loss_scale(state)) == 2.0  # backed off twice: window 2 poisoned
+  with pytest.raises(ValueError, match="inside.*MultiSteps|MultiSteps hands it"):
+    jaxamp.scale_loss(1.0, opt.init(params))
+
+
+def test_loss_scale_outside_multisteps_skips_only_the_bad_micro_batch():
+  # The composition the error points to: each micro-batch is unscaled with the scale it
+  # was computed with; an overflowing one is dropped whole (skip_nonfinite) and the scale
+  # backs off once; the next windows are clean.
+  def run(grads):
+    opt = jaxamp.skip_nonfinite(optax.chain(jaxamp.dynamic_loss_scale(initial_scale=8.0),
+                                            optax.MultiSteps(optax.sgd(1.0), 2)))
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    scales = []
+    for g in grads:
+      jaxamp.scale_loss(1.0, state)  # placement accepted
+      scale = jaxamp.get_loss_scale(state)
+      updates, state = update({"w": jnp.array(g) * scale}, state, params)
+      params = optax.apply_updates(params, updates)
+      scales.append(float(jaxamp.get_loss_scale(state)))
+    return params, scales
+
+  params, scales = run([[1.0, 2.0], [jnp.inf, 1.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+  assert scales == [8.0, 4.0, 4.0, 4.0, 4.0]
+  control, _ = run([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])  # never saw it
+  assert _bits(params) == _bits(control)
+  np.testing.assert_array_equal(params["w"], [-(1 + 3 + 5 + 7) / 2, -(2 + 4 + 6 + 8) / 2])
+
+
+def _misplaced():
+  ls = lambda: jaxamp.dynamic_loss_scale(initial_scale=64.0)
+  return {
+      "after clipping": optax.chain(optax.clip_by_global_norm(1.0), ls(), optax.sgd(0.1)),
+      "after adamw": optax.chain(optax.adamw(1e-3), ls()),
+      "named_chain, second": optax.named_chain(("z_clip", optax.clip_by_global_norm(1.0)),
+                                               ("a_scale", ls()), ("sgd", optax.sgd(0.1))),
+      "masked": optax.masked(optax.chain(ls(), optax.sgd(0.1)), {"w": True, "b": False}),
+      "multi_transform": optax.multi_transform(
+          {"a": optax.chain(ls(), optax.sgd(0.1)), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}),
+      "apply_if_finite": optax.apply_if_finite(optax.chain(ls(), optax.sgd(0.1)), 3),
+      "multisteps": optax.MultiSteps(optax.chain(ls(), optax.sgd(0.1)), 2),
+  }
+
+
+@pytest.mark.parametrize("name", list(_misplaced()))
+def test_scale_loss_refuses_a_misplaced_loss_scale(name):
+  params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+  state = _misplaced()[name].init(params)
+  with pytest.raises(ValueError, match="loss scale at .* is misplaced"):
+    jaxamp.scale_loss(jnp.float32(1.0), state)
+  with pytest.raises(ValueError, match="misplaced"):  # under jit too: the check is static
+    jax.jit(jaxamp.scale_loss)(jnp.float32(1.0), state)
+
+
+@pytest.mark.parametrize("name", ["named_chain, first", "skip(chain)", "inject_hyperparams",
+                                  "chain(chain)", "outside multisteps"])
+def test_scale_loss_accepts_a_loss_scale_that_comes_first(name):
+  ls = jaxamp.dynamic_loss_scale(initial_scale=64.0)
+  opt = {
+      "named_chain, first": optax.named_chain(("z_scale", ls), ("a_clip", optax.clip(1.0))),
+      "skip(chain)": jaxamp.skip_nonfinite(optax.chain(ls, optax.adam(1e-3))),
+      "inject_hyperparams": optax.inject_hyperparams(
+          lambda learning_rate: optax.chain(ls, optax.sgd(learning_rate)))(learning_rate=0.1),
+      "chain(chain)": optax.chain(optax.chain(ls, optax.clip(1.0)), optax.sgd(0.1)),
+      "outside multisteps": optax.chain(ls, optax.MultiSteps(optax.sgd(0.1), 2)),
+  }[name]
+  assert float(jaxamp.scale_loss(jnp.float32(2.0), opt.init({"w": jnp.ones(2)}))) == 128.0
+
+
+def test_a_fixed_scale_divides_by_the_scale_its_state_holds():
+  # A state restored from a float16 run (scale 32768) meets no_loss_scale (a bfloat16
+  # step): the loss was multiplied by 32768, so the update must divide by it, once, and
+  # then return the scale to 1. Before, no_loss_scale never divided: updates 32768x.
+  restored = jaxamp.dynamic_loss_scale().init(None)
+  assert float(restored.scale) == 32768.0
+  for opt in (jaxamp.no_loss_scale(), jaxamp.static_loss_scale(4.0)):
+    scaled = {"w": jnp.array([32768.0, -65536.0])}
+    updates, state = jax.jit(opt.update)(scaled, restored)
+    np.testing.assert_array_equal(updates["w"], [1.0, -2.0])
+    assert float(state.scale) == float(opt.init(None).scale)  # back to its own rule
+  # A dynamic scale clamps a restored scale into its own [min_scale, max_scale].
+  _, state = jaxamp.dynamic_loss_scale(max_scale=1024.0, initial_scale=2.0).update(
+      {"w": jnp.ones(1)}, restored)
+  assert float(state.scale) == 1024.0
 
 
 # --- skip_nonfinite ---------------------------------------------------------------------
@@ -446,6 +532,10 @@ def test_hyperparameters_survive_flatten_unflatten_and_jit():
     (dict(growth_interval=2.5), "growth_interval.*2.5"),
     (dict(growth_interval=2**31), "growth_interval must be <= 2147483647.*2147483648"),
     (dict(min_scale=0.0), "min_scale must be > 0.*0.0"),
+    # Positive as Python floats, but 0 in the float32 state: refused (were accepted).
+    (dict(min_scale=1e-50), "min_scale must be > 0 and float32 must hold it.*1e-50"),
+    (dict(initial_scale=1e-46, min_scale=1e-47),
+     "initial_scale must be > 0 and float32 must hold it.*1e-46"),
     (dict(initial_scale=1.0, min_scale=2.0), "min_scale=2.0, initial_scale=1.0"),
     (dict(initial_scale=64.0, max_scale=32.0), "initial_scale=64.0, max_scale=32.0"),
 ])
@@ -454,9 +544,9 @@ def test_bad_hyperparameters_raise(kwargs, message):
     jaxamp.dynamic_loss_scale(**kwargs)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), None])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), None, 1e-50, 1e39])
 def test_bad_static_scale_raises(scale):
-  with pytest.raises(ValueError, match=f"scale must be .*{scale}"):
+  with pytest.raises(ValueError, match=f"scale must be .*{re.escape(str(scale))}"):
     jaxamp.static_loss_scale(scale)
 
 

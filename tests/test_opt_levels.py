@@ -52,6 +52,8 @@ def test_errors_name_the_valid_values():
     opt_level("O2", keep_bn_fp32=True)
   with pytest.raises(ValueError, match="loss_scale must be 'dynamic', None"):
     opt_level("O1", loss_scale=-1.0)
+  with pytest.raises(ValueError, match="loss_scale must be 'dynamic'.*float32 maximum"):
+    opt_level("O1", loss_scale=1e39)  # was accepted, then failed when the step was built
   with pytest.raises(ValueError, match="loss_scale must be"):
     opt_level("O1", loss_scale="static")
   with pytest.raises(ValueError, match="autocast must be True or False"):

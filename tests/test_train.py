@@ -591,7 +591,7 @@ def test_grad_reduce_dtype_must_be_floating():
 def test_loss_scale_after_clipping_is_refused():
   tx = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.dynamic_loss_scale(), optax.sgd(0.1))
   train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16")
-  with pytest.raises(ValueError, match="Put it first"):
+  with pytest.raises(ValueError, match="misplaced.*Put the loss scale first"):
     init(train, "nnx", batchnorm=False)
   nested = optax.chain(optax.chain(jaxamp.dynamic_loss_scale(4.0), optax.sgd(0.1)))
   train = jaxamp.make_train_step(loss_fn, nested, policy="mixed_float16")
@@ -609,3 +609,144 @@ def test_grad_accumulation_keeps_half_gradient_dtypes():
   assert [x.dtype for x in jax.tree.leaves(state.opt_state)] == before
   assert jnp.dtype(jnp.bfloat16) in before
   assert train.trace_count == 1
+
+
+# --- misuse and injected faults: each trained wrongly in silence before ------------------
+
+
+def test_multisteps_outside_the_loss_scale_skips_one_micro_batch_in_the_step():
+  # The train step with optax.MultiSteps: an inf micro-batch backs the scale off once and
+  # is dropped whole; the run ends bit-identical to one that never saw it (float32 and
+  # power-of-two scales: scaling is exact).
+  def run(batches):
+    tx = optax.chain(jaxamp.dynamic_loss_scale(), optax.MultiSteps(optax.adam(1e-2), 2))
+    train = jaxamp.make_train_step(loss_fn, tx, policy="float32")
+    state = init(train, "nnx", batchnorm=False)
+    scales = []
+    for b in batches:
+      state, metrics = train.step(state, b)
+      scales.append(float(metrics["loss_scale"]))
+    return state, scales
+
+  good = make_batches(5)
+  bad = dict(good[2], x=np.full_like(good[2]["x"], np.inf))
+  state, scales = run(good[:2] + [bad] + good[2:])
+  assert scales == [2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**14, 2.0**14]
+  control, _ = run(good)
+  assert_trees_equal(state.params, control.params)
+  with pytest.raises(ValueError, match="MultiSteps hands it"):
+    init(jaxamp.make_train_step(
+        loss_fn, optax.MultiSteps(optax.chain(jaxamp.dynamic_loss_scale(), optax.sgd(0.1)), 2),
+        policy="mixed_float16"), "nnx", batchnorm=False)
+
+
+@pytest.mark.parametrize("name", ["named_chain", "masked"])
+def test_make_train_step_refuses_a_loss_scale_that_is_not_first(name):
+  ls = jaxamp.dynamic_loss_scale()
+  tx = {"named_chain": optax.named_chain(("clip", optax.clip_by_global_norm(1.0)),
+                                         ("scale", ls), ("sgd", optax.sgd(0.1))),
+        "masked": optax.masked(optax.chain(ls, optax.sgd(0.1)),
+                               lambda p: jax.tree.map(lambda x: x.ndim > 1, p))}[name]
+  with pytest.raises(ValueError, match="misplaced"):
+    init(jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16"), "nnx", batchnorm=False)
+
+
+def test_a_float16_state_resumes_correctly_under_a_bfloat16_step():
+  # Restoring a mixed_float16 checkpoint (scale 32768) into a mixed_bfloat16 step: the
+  # loss is multiplied by the state's scale, so the update must divide by that scale.
+  batch = make_batches(1)[0]
+  f16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_float16")
+  state, _ = f16.step(init(f16, "nnx", batchnorm=False), batch)
+  assert float(jaxamp.get_loss_scale(state.opt_state)) == 2.0**15
+  bf16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
+                                donate=False)
+  init(bf16, "nnx", batchnorm=False)
+  resumed, metrics = bf16.step(state, batch)
+  # Reference: the same state with the scale a bfloat16 run would have had (1).
+  one = jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, jaxamp.LossScaleState))
+  one = one._replace(opt_state=jax.tree.map(
+      lambda x: x._replace(scale=jnp.ones_like(x.scale))
+      if isinstance(x, jaxamp.LossScaleState) else x,
+      state.opt_state, is_leaf=lambda x: isinstance(x, jaxamp.LossScaleState)))
+  expected, _ = bf16.step(one, batch)
+  assert_trees_equal(resumed.params, expected.params)  # not 32768x the update
+  assert float(metrics["loss_scale"]) == 1.0  # the bfloat16 step's own rule from here on
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_a_float16_parameter_that_would_overflow_skips_the_step(master_weights):
+  # Pure float16 params: a weight pushed past 65504 would be stored as inf and training
+  # would go on (loss -inf). The step must be skipped like an overflowing one.
+  model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0),
+                     kernel_init=nnx.initializers.constant(60000.0))
+  # Small activations (w/64 fits float16); the gradient of the weight is -c/64.
+  train = jaxamp.make_train_step(lambda m, b: -jnp.mean(m(b["x"]) * b["c"]),
+                                 optax.chain(jaxamp.no_loss_scale(), optax.sgd(1000.0)),
+                                 policy="float16", master_weights=master_weights,
+                                 donate=False)
+  state = train.init(model)
+  assert state.params["kernel"].dtype == jnp.float16
+  x = jnp.full((4, 1), 1 / 64)
+  state, metrics = train.step(state, {"x": x, "c": jnp.full((4, 1), 64.0)})  # +1000
+  assert bool(metrics["params_finite"])
+  assert float(state.params["kernel"][0, 0]) == float(np.float16(61000.0))
+  before = state
+  state, metrics = train.step(state, {"x": x, "c": jnp.full((4, 1), 512.0)})  # +8000: inf
+  assert bool(metrics["grads_finite"]) and not bool(metrics["params_finite"])
+  assert int(metrics["skipped_steps"]) == 1
+  assert_trees_equal(state.params, before.params)
+  is_ls = lambda x: isinstance(x, jaxamp.LossScaleState)
+  rest = lambda s: [x for x in jax.tree.leaves(s.opt_state, is_leaf=is_ls) if not is_ls(x)]
+  assert_trees_equal(rest(state), rest(before))  # master weights and moments too
+  assert float(metrics["loss_scale"]) == float(jaxamp.get_loss_scale(before.opt_state))
+
+
+def test_a_state_from_another_step_is_refused():
+  adam = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
+  sgd = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
+  half = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float16",
+                                master_weights=False)
+  batch = make_batches(1)[0]
+  a, s, h = (init(t, "nnx", batchnorm=False) for t in (adam, sgd, half))
+  with pytest.raises(ValueError, match="opt_state has another structure.*another optimizer"):
+    sgd.step(a, batch)
+  with pytest.raises(ValueError, match=r"params.*is float16\[.*this step's is float32"):
+    sgd.step(h, batch)
+  with pytest.raises(ValueError, match="not a jaxamp.TrainState"):
+    sgd.eval_step((s.params, s.opt_state), batch)
+  # init with another model rebinds the step: older states no longer run through it.
+  old = s
+  new = init(sgd, "nnx", batchnorm=True)
+  with pytest.raises(ValueError, match="params has another structure.*another model"):
+    sgd.step(old, batch)
+  new, _ = sgd.step(new, batch)
+  new, _ = sgd.step(new, batch)  # the step's own output passes (no check needed)
+
+
+def test_loss_fn_misuse_gets_a_clear_error_naming_the_fix():
+  batch = make_batches(1)[0]
+  with pytest.raises(TypeError, match=r"loss_fn must take \(model, batch\)"):
+    jaxamp.make_train_step(lambda params: 0.0, optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"eval_fn must take \(model, batch\)"):
+    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), eval_fn=lambda m, b, extra: 0.0)
+
+  def step_with(fn, api="nnx", **kw):
+    train = jaxamp.make_train_step(fn, optax.sgd(0.1), policy="mixed_bfloat16", **kw)
+    return train.step(init(train, api, batchnorm=False), batch)
+
+  def swapped(batch, model):
+    return xent(model(batch["x"]), batch["y"])
+
+  with pytest.raises(TypeError, match="indexed the model.*arguments swapped"):
+    step_with(swapped)
+  with pytest.raises(TypeError, match=r"(?s)not subscriptable.*calls loss_fn\(model, batch\)"):
+    step_with(swapped, "linen")  # Linen's model is a function: the note explains
+  with pytest.raises(TypeError, match=r"needs make_train_step\(..., has_aux=True\)"):
+    step_with(lambda m, b: (loss_fn(m, b), {"acc": 1.0}))
+  with pytest.raises(TypeError, match=r"has_aux=True, loss_fn must return \(loss, aux\)"):
+    step_with(loss_fn, has_aux=True)
+  with pytest.raises(TypeError, match="scalar float loss, got a dict"):
+    step_with(lambda m, b: {"loss": loss_fn(m, b)})
+  with pytest.raises(ValueError, match=r"scalar loss, got shape \(16,\).*mean"):
+    step_with(lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        m(b["x"]), b["y"]))
