@@ -171,6 +171,45 @@ def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
 
+# The optax extra argument by which a caller that has already checked the gradients
+# (make_train_step) tells the loss scale and skip_nonfinite the answer, a Python bool:
+# they then skip their own check and selects.
+GRADS_FINITE = "jaxamp_grads_finite"
+# And by which it says it did not multiply the loss by the state's scale (a step whose own
+# loss scale is fixed at 1): the gradients are then not divided.
+GRADS_UNSCALED = "jaxamp_grads_unscaled"
+
+
+def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
+  if not is_floating_array(g):
+    return g
+  # In float32 (float64 stays float64): a scale above 65504 is inf in float16.
+  wide = jnp.promote_types(g.dtype, jnp.float32)
+  return (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
+
+
+def unscale(grads: Any, scale: jax.Array) -> Any:
+  """``grads`` divided by ``scale`` as a loss scale does it: in float32, cast back."""
+  return jax.tree.map(lambda g: _unscale_leaf(g, scale), grads)
+
+
+def unscaled_norm_and_finite(grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The global norm of ``unscale(grads, scale)`` and whether all of it is finite.
+
+  One reduction gives both: a finite sum of squares means every element is finite. Only
+  when it is not (an inf or NaN, or squares past the float32 range) does an exact check
+  run, so the answer is exactly ``all_finite(unscale(grads, scale))``, the loss scale's
+  own test.
+  """
+  unscaled = unscale(grads, scale)
+  squares = [jnp.sum(jnp.square(x.astype(jnp.float32)))
+             for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
+  total = functools.reduce(jnp.add, squares, jnp.zeros([], jnp.float32))
+  finite = jax.lax.cond(jnp.isfinite(total), lambda: jnp.asarray(True),
+                        lambda: all_finite(unscaled))
+  return jnp.sqrt(total), finite
+
+
 def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
                 growth_interval: int | None, min_scale: float,
                 max_scale: float) -> optax.GradientTransformation:
@@ -191,22 +230,21 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
                           finite=jnp.asarray(True),
                           overflow_steps=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates: Any, state: LossScaleState,
-                params: Any = None) -> tuple[Any, LossScaleState]:
+  def update_fn(updates: Any, state: LossScaleState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, LossScaleState]:
     del params
     scale = jnp.asarray(state.scale, jnp.float32)
-
-    def unscale_leaf(g: Any) -> Any:
-      if not is_floating_array(g):
-        return g
-      # In float32 (float64 stays float64): a scale above 65504 is inf in float16.
-      wide = jnp.promote_types(g.dtype, jnp.float32)
-      return (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
-
-    updates = jax.tree.map(unscale_leaf, updates)
-    # Checked after unscaling: a scale below 1 can overflow a finite float16 gradient.
-    finite = all_finite(updates)
-    updates = _zero_unless(finite, updates)
+    if not extra_args.get(GRADS_UNSCALED):
+      updates = unscale(updates, scale)
+    known = extra_args.get(GRADS_FINITE)
+    if known is None:
+      # Checked after unscaling: a scale below 1 can overflow a finite float16 gradient.
+      finite = all_finite(updates)
+      updates = _zero_unless(finite, updates)
+    else:  # the caller checked these very gradients (make_train_step does)
+      finite = jnp.asarray(bool(known))
+      if not known:
+        updates = _zero_unless(finite, updates)
 
     count = state.growth_count + 1
     if growth_interval is None:
@@ -223,7 +261,7 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
         overflow_steps=(state.overflow_steps + jnp.where(finite, 0, 1)).astype(jnp.int32))
     return updates, new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def dynamic_loss_scale(initial_scale: float = 2.0**15,
@@ -330,7 +368,14 @@ def no_loss_scale() -> optax.GradientTransformation:
     >>> updates['w'].tolist(), int(state.overflow_steps), float(state.scale)
     ([0.0, 0.0], 1, 1.0)
   """
-  return _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0)
+  tx = _loss_scale(1.0, 1.0, 1.0, None, 1.0, 1.0)
+  tx.update.jaxamp_no_loss_scale = True  # see is_no_loss_scale
+  return tx
+
+
+def is_no_loss_scale(tx: Any) -> bool:
+  """Whether ``tx`` is a :func:`no_loss_scale` transformation (scale fixed at 1)."""
+  return getattr(getattr(tx, "update", None), "jaxamp_no_loss_scale", False)
 
 
 # Wrappers that hand their inner transformation every step's whole gradient tree and keep
@@ -538,6 +583,8 @@ def skip_nonfinite(optimizer: optax.GradientTransformation
   def update_fn(updates: Any, state: SkipNonfiniteState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, SkipNonfiniteState]:
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    if extra_args.get(GRADS_FINITE) is True:  # checked by the caller: nothing to skip
+      return new_updates, SkipNonfiniteState(new_inner)
     scales = _loss_scale_states(new_inner)
     if scales:
       finite = functools.reduce(jnp.logical_and, [s.finite for s in scales])

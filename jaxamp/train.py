@@ -282,6 +282,10 @@ class _LinenAdapter:
     return self.module, {"params": state.params, **state.model_state}
 
 
+def _float16_leaves(params: Any) -> list[Any]:
+  return [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
+
+
 def _skip_on_param_overflow(params_finite: jax.Array, new: Any, old: Any) -> Any:
   """``new`` optimizer state where ``params_finite``, else ``old`` with the step counted
   as skipped in its loss-scale state (the scale itself is kept: it did not cause this)."""
@@ -348,6 +352,7 @@ class TrainStep:
     self._adapter: Any = None
     self._step_jit: Any = None
     self._eval_jit: Any = None
+    self._unit_scale = False  # the step inserted no_loss_scale(): no multiply, no divide
     # The skeleton of the state init made, and the last state step returned (known good).
     self._expected: Any = None
     self._last_state: Any = None
@@ -455,9 +460,13 @@ class TrainStep:
     # refused, with what to write instead.
     _ls.check_loss_scale_placement(shapes)
     tx = self._user_optimizer
+    self._unit_scale = False
     if not optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState"):
       scale = (self.level.make_loss_scale() if self.level is not None
                else _ls.loss_scale_for(self.policy))
+      # A scale fixed at 1 (bfloat16, float32) needs no multiply and no divide, whatever
+      # scale a restored state holds (the loss scale returns it to 1).
+      self._unit_scale = _ls.is_no_loss_scale(scale)
       tx = optax.chain(scale, tx)
     return _ls.skip_nonfinite(tx)
 
@@ -618,36 +627,38 @@ class TrainStep:
       return self._step_body(state, batch)
 
   def _step_body(self, state: TrainState, batch: Any):
-    scale = _ls.get_loss_scale(state.opt_state)
+    scale = (jnp.ones([], _F32) if self._unit_scale
+             else _ls.get_loss_scale(state.opt_state))
     next_rng, step_rng = jax.random.split(state.rng)
     grads, loss, aux, model_state = self._grads(state, batch, scale, step_rng)
-    grads32 = cast_floating(grads, _F32)
-    if self.master_weights:
-      master, inner = state.opt_state
-      updates, inner = self.optimizer.update(grads32, inner, master)
-      master = optax.apply_updates(master, updates)
-      ls_state = optax.tree_utils.tree_get(inner, "LossScaleState")
-      master = _ls._select_tree(ls_state.finite, master, state.opt_state.master_params)
-      opt_state = MasterWeightsState(master, inner)
-      params = jax.tree.map(lambda n, o: n.astype(o.dtype), master, state.params)
-    else:
-      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-    ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
-    finite = grads_finite = ls_state.finite
-    # A float16 parameter past 65504 (a master weight that grew, or a float16 update) would
-    # be stored as inf: skip such a step like an overflowing one.
-    params_finite = self._params_finite(params)
-    if params_finite is not None:
-      finite = finite & params_finite
+    # What the optimizer receives: float32 for master weights, else each param's dtype.
+    opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
+    # One reduction gives the metric and the verdict, exactly the loss scale's own test;
+    # the update then runs only on a finite step (lax.cond, not a select over every
+    # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
+    # select keeps old and new copies of everything alive).
+    grad_norm, grads_finite = _ls.unscaled_norm_and_finite(opt_grads, scale)
+
+    def apply(_):
+      opt_state, params = self._update(state, opt_grads, finite=True)
+      # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
+      # would be stored as inf: skip such a step like an overflowing one.
+      params_finite = self._params_finite(params)
+      if params_finite is None:
+        return params, opt_state, model_state, next_rng, jnp.asarray(True)
       opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
-      ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
-    # A skipped step leaves no trace but the loss scale: a run that overflows on batch k
-    # ends where a run that never saw batch k ends.
-    params = _ls._select_tree(finite, params, state.params)
-    model_state = _ls._select_tree(finite, model_state, state.model_state)
-    next_rng = jax.lax.select(finite, next_rng, state.rng)
-    grad_norm = optax.tree.norm(grads32) / scale
+      keep = lambda new, old: _ls._select_tree(params_finite, new, old)
+      return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
+              keep(next_rng, state.rng), params_finite)
+
+    def skip(_):
+      # Only the loss scale moves (it backs off); the rest of the update is dead code.
+      opt_state, _ = self._update(state, opt_grads, finite=False)
+      return state.params, opt_state, state.model_state, state.rng, jnp.asarray(True)
+
+    params, opt_state, model_state, next_rng, params_finite = jax.lax.cond(
+        grads_finite, apply, skip, None)
+    ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
         "loss": loss,
         "loss_scale": ls_state.scale,
@@ -655,7 +666,7 @@ class TrainStep:
         "grad_norm": grad_norm,
         "skipped_steps": ls_state.overflow_steps,
     }
-    if params_finite is not None:
+    if _float16_leaves(state.params):
       metrics["params_finite"] = params_finite
     if self.debug_nonfinite:
       leaves = jax.tree_util.tree_flatten_with_path(
@@ -671,10 +682,22 @@ class TrainStep:
                            model_state=model_state, rng=next_rng)
     return new_state, metrics
 
+  def _update(self, state: TrainState, grads: Any, *, finite: bool) -> tuple[Any, Any]:
+    """The optimizer's new state and the new params, told whether ``grads`` are finite."""
+    flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: self._unit_scale}
+    if self.master_weights:
+      master, inner = state.opt_state
+      updates, inner = self.optimizer.update(grads, inner, master, **flag)
+      master = optax.apply_updates(master, updates) if finite else master
+      params = jax.tree.map(lambda n, o: n.astype(o.dtype), master, state.params)
+      return MasterWeightsState(master, inner), params
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params, **flag)
+    return opt_state, optax.apply_updates(state.params, updates)
+
   @staticmethod
   def _params_finite(params: Any) -> jax.Array | None:
     """Whether every float16 parameter is finite; None if none is stored in float16."""
-    half = [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
+    half = _float16_leaves(params)
     return _ls.all_finite(half) if half else None
 
   def _eval_impl(self, state: TrainState, batch: Any):
