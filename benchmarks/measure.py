@@ -228,3 +228,102 @@ def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps:
     log(f"  {c.name:<40} {1e3 * m.step_s:9.2f} ms/step  (IQR {100 * m.spread:.1f}%)")
   states.clear()
   return results
+
+
+# --- lowering and compiling only ----------------------------------------------------------------
+
+
+def abstract(tree: Any) -> Any:
+  """``tree`` with every array replaced by its ``jax.ShapeDtypeStruct``: what lowering needs."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                      if isinstance(x, jax.Array) else x, tree)
+
+
+@dataclasses.dataclass
+class Lowering:
+  """One candidate lowered (not compiled) for another platform, e.g. ``'cuda'`` on a CPU."""
+
+  impl: str
+  policy: str
+  platform: str
+  lower_s: float
+  ops: int = 0
+  half_share: float | None = None
+  error: str | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def lower_for(c: Candidate, platform: str) -> Lowering:
+  """Traces and lowers ``c.step`` for ``platform`` from abstract inputs; nothing runs.
+
+  The matmuls of the lowered module are read as :func:`jaxamp.precision_report` reads
+  them: ``half_share`` is the share of their FLOPs with half-precision operands.
+  """
+  from jaxamp import report as report_lib  # pylint: disable=g-import-not-at-top
+
+  start = time.perf_counter()
+  try:
+    with _precision(c.matmul_precision):
+      lowered = jax.jit(c.step).trace(abstract(c.state), abstract(c.batch)).lower(
+          lowering_platforms=(platform,))
+    seconds = time.perf_counter() - start
+    ops, _, _, _ = report_lib._parse_module(report_lib._module_text(lowered))  # pylint: disable=protected-access
+  except Exception as e:  # pylint: disable=broad-except
+    return Lowering(c.impl, c.policy, platform, time.perf_counter() - start, error=_error(e))
+  total = sum(op.total_flops for op in ops)
+  half = sum(op.total_flops for op in ops if op.is_half)
+  return Lowering(c.impl, c.policy, platform, seconds, len(ops), half / total if total else None)
+
+
+@dataclasses.dataclass
+class CompileCost:
+  """Trace, lower and XLA compile times (seconds, one per repetition) and XLA's memory
+  figures of one candidate's step, each repetition from cold caches."""
+
+  impl: str
+  policy: str
+  layers: int
+  trace_s: list[float]
+  lower_s: list[float]
+  compile_s: list[float]
+  memory: dict[str, int]
+  error: str | None = None
+
+  def median(self, what: str) -> float:
+    values = getattr(self, what)
+    return statistics.median(values) if values else float("nan")
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out.update({f"{w}_median": self.median(w) for w in ("trace_s", "lower_s", "compile_s")})
+    return out
+
+
+def compile_cost(c: Candidate, layers: int, reps: int) -> CompileCost:
+  """Times ``jax.jit(c.step).trace``, ``.lower`` and ``.compile`` ``reps`` times.
+
+  ``jax.clear_caches()`` before each repetition makes every one a first call, as a user's
+  first ``train.step`` is (jaxamp's step is a jitted function inside: its cache too).
+  """
+  cost = CompileCost(c.impl, c.policy, layers, [], [], [], {})
+  state, batch = abstract(c.state), abstract(c.batch)
+  try:
+    for _ in range(reps):
+      jax.clear_caches()
+      with _precision(c.matmul_precision):
+        start = time.perf_counter()
+        traced = jax.jit(c.step, donate_argnums=0).trace(state, batch)
+        traced_at = time.perf_counter()
+        lowered = traced.lower()
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        done = time.perf_counter()
+      cost.trace_s.append(traced_at - start)
+      cost.lower_s.append(lowered_at - traced_at)
+      cost.compile_s.append(done - lowered_at)
+    cost.memory = memory_figures(compiled)
+  except Exception as e:  # pylint: disable=broad-except
+    cost.error = _error(e)
+  return cost

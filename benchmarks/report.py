@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from benchmarks.measure import Measurement
+from benchmarks.measure import CompileCost, Measurement
 
 # Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by a substring of
 # jax's device_kind; the first match wins, so the PCIe H100 comes before the SXM one.
@@ -45,7 +45,7 @@ class Section:
   key: str
   title: str
   description: str
-  results: list[Measurement]
+  results: list[Any]  # Measurement; CompileCost for the 'compile' section
   throughput_unit: str | None = None  # 'tokens/s', 'images/s'; None: no column
   notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -211,8 +211,32 @@ def overhead_table(section: Section, limit: float) -> tuple[list[str], list[tupl
   return _table(header, rows), ratios
 
 
+def compile_table(section: Section, limits: dict[str, float]) -> list[str]:
+  """jaxamp's first-call costs over the hand-written step's, per layer count and policy."""
+  rows = []
+  pairs: dict[tuple[int, str], dict[str, CompileCost]] = {}
+  for c in section.results:
+    pairs.setdefault((c.layers, c.policy), {})[c.impl] = c
+  for (layers, policy), pair in pairs.items():
+    amp, hand = pair.get("jaxamp"), pair.get("hand-written Flax")
+    if amp is None or hand is None or amp.error or hand.error:
+      continue
+    row = [str(layers), policy]
+    for what in ("trace_s", "lower_s", "compile_s"):
+      a, h = amp.median(what), hand.median(what)
+      row += [_fmt(a, 2), _fmt(h, 2), _fmt(a / h if h else None, 2)]
+    a, h = amp.memory.get("temp"), hand.memory.get("temp")
+    row += [_mib(a), _mib(h), _fmt(a / h if a is not None and h else None, 3)]
+    rows.append(row)
+  header = ["layers", "policy", "trace s", "hand", "×", "lower s", "hand", "×",
+            "XLA compile s", "hand", f"× (≤ {limits['time']})", "XLA temp MiB", "hand",
+            f"× (≤ {limits['temp']})"]
+  return _table(header, rows)
+
+
 def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[Section],
-                   settings: dict[str, Any], chart: str | None, overhead_limit: float) -> None:
+                   settings: dict[str, Any], chart: str | None, overhead_limit: float,
+                   compile_limits: dict[str, float] | None = None) -> None:
   v = info["versions"]
   mfu = any(peak_tflops(info["device"], m.policy) for s in sections for m in s.results)
   lines = [
@@ -262,13 +286,16 @@ def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[
   if chart:
     lines += [f"![step time and memory per policy]({chart})", ""]
   for s in sections:
-    lines += _section_lines(s, info, overhead_limit)
+    lines += _section_lines(s, info, overhead_limit, compile_limits)
   path.write_text("\n".join(lines).rstrip() + "\n")
 
 
-def _section_lines(s: Section, info: dict[str, Any], overhead_limit: float) -> list[str]:
+def _section_lines(s: Section, info: dict[str, Any], overhead_limit: float,
+                   compile_limits: dict[str, float] | None = None) -> list[str]:
   lines = [f"## {s.title}", "", s.description, ""]
-  if s.key == "overhead":
+  if s.key == "compile":
+    lines += compile_table(s, compile_limits or {"time": 1.15, "temp": 1.02})
+  elif s.key == "overhead":
     table, ratios = overhead_table(s, overhead_limit)
     lines += table
     if ratios:
@@ -279,7 +306,10 @@ def _section_lines(s: Section, info: dict[str, Any], overhead_limit: float) -> l
   else:
     lines += model_table(s, info["device"])
   failed = [m for m in s.results if m.error]
-  if failed:
+  if failed and s.key == "compile":
+    lines += ["", "Not measured:", ""]
+    lines += [f"- {m.impl} / {m.policy} / {m.layers} layers: `{m.error}`" for m in failed]
+  elif failed:
     lines += ["", "Not measured:", ""]
     lines += [f"- {m.impl} / {m.policy}: `{m.error}`" for m in failed]
   if s.notes:
@@ -305,7 +335,8 @@ def write_chart(path: pathlib.Path, sections: Sequence[Section], info: dict[str,
 
   Returns False (and writes nothing) when no section has a timed result.
   """
-  shown = [s for s in sections if s.key != "overhead" and any(m.round_step_s for m in s.results)]
+  shown = [s for s in sections if s.key not in ("overhead", "compile")
+           and any(m.round_step_s for m in s.results)]
   if not shown:
     return False
   import matplotlib  # pylint: disable=g-import-not-at-top

@@ -13,6 +13,14 @@ Sections (``--only`` picks some):
   backward matmul FLOPs in half precision, achieved TFLOP/s and, on known GPUs, MFU.
 - ``overhead``: jaxamp's ``train.step`` against the equivalent hand-written step (same
   model, same optax chain), through the calls a user makes; the ratio must be ≤ 1.03.
+- ``compile``: what the first call costs (issue 12): trace, lowering and XLA compile time
+  and XLA's temporary bytes of ``train.step`` against the hand-written step, for the LM
+  at 2 and 48 layers (targets: time ≤ 1.15×, temp bytes ≤ 1.02×).
+
+``--lower-only`` compiles and runs nothing: it lowers every candidate of the chosen
+sections for CUDA (``--platform``) from abstract inputs, so the GPU configuration can be
+checked on a machine without a GPU, and prints each program's matmul count and
+half-precision share. It writes no files and exits non-zero if any candidate fails.
 
 Writes ``RESULTS.md``, ``results.json`` and ``results.png`` into ``--out``.
 
@@ -20,6 +28,7 @@ Writes ``RESULTS.md``, ``results.json`` and ``results.png`` into ``--out``.
     python benchmarks/run.py --size gpu                 # full size, on a GPU
     python benchmarks/run.py --size cpu --only overhead
     python benchmarks/run.py --size smoke --out /tmp/b  # seconds: checks the harness runs
+    python benchmarks/run.py --size gpu --lower-only    # on any machine: the GPU programs lower
 """
 
 from __future__ import annotations
@@ -42,17 +51,19 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 import jax  # pylint: disable=g-import-not-at-top
 
 from benchmarks import candidates, models, report  # pylint: disable=g-import-not-at-top
-from benchmarks.measure import measure  # pylint: disable=g-import-not-at-top
+from benchmarks.measure import (Lowering, compile_cost, lower_for,  # pylint: disable=g-import-not-at-top
+                                measure)
 
 # The overhead comparison runs first: on a 2-core CPU its ratio drifted when it followed
 # the ResNet-50 section (whose compiled programs and buffers it then shares the process
 # with), while measured first or alone it agreed across runs.
-SECTIONS = ("overhead", "lm", "resnet", "matmul")
+SECTIONS = ("overhead", "compile", "lm", "resnet", "matmul")
 # Command-line spellings of the implementations and policy labels.
 IMPL_FLAGS = dict(zip(("jaxamp", "hand", "keras"), candidates.IMPLS))
 POLICY_FLAGS = dict(zip(("float32", "float32-highest", "mixed_bfloat16", "mixed_float16"),
                         candidates.POLICIES))
 OVERHEAD_LIMIT = 1.03
+COMPILE_LIMITS = {"time": 1.15, "temp": 1.02}  # issue 12: jaxamp / hand-written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +79,16 @@ class Size:
   overhead_rounds: int
   overhead_steps: int
   resnet_policies: tuple[str, ...] = candidates.POLICIES
+  compile_layers: tuple[int, ...] = (2, 48)
+  compile_reps: int = 3
 
 
 SIZES = {
     # Seconds: every code path, tiny shapes. Numbers from it mean nothing.
     "smoke": Size(lm=models.LMConfig(vocab=64, dim=32, heads=2, layers=1, seq_len=16, batch=4),
                   resnet=models.ResNetConfig((1,), 4, 10, 16, 2), matmul=128,
-                  warmup=1, rounds=2, steps=1, overhead_rounds=2, overhead_steps=1),
+                  warmup=1, rounds=2, steps=1, overhead_rounds=2, overhead_steps=1,
+                  compile_layers=(1, 2), compile_reps=1),
     # The committed CPU numbers: a few minutes on 2 cores. ResNet-50's depth at a quarter
     # of its width on 64x64 images; float32 HIGHEST is float32 on a CPU, so ResNet skips it.
     "cpu": Size(lm=models.LMConfig(vocab=256, dim=128, heads=4, layers=2, seq_len=128, batch=8),
@@ -163,10 +177,55 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       results, notes=notes)
 
 
+def _compile_section(size: Size, policies, args) -> report.Section:
+  results = []
+  for layers in size.compile_layers:
+    cfg = dataclasses.replace(size.lm, layers=layers)
+    for policy in policies:
+      for c in candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]):
+        print(f"  {layers} layers: {c.name}")
+        results.append(compile_cost(c, layers, size.compile_reps))
+        c.state = None
+  return report.Section(
+      "compile", "First-call cost: trace, lower, compile (issue 12)",
+      f"The transformer LM of the `lm` section (dim {size.lm.dim}, batch {size.lm.batch} × "
+      f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
+      "`jax.jit(step).trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's "
+      "`train.step` and of the hand-written step, each from cold caches "
+      f"(`jax.clear_caches()`), median of {size.compile_reps}; XLA temp MiB from "
+      "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
+      f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
+      results)
+
+
+def _lower_only(size: Size, impls, args) -> list[Lowering]:
+  """Lowers every candidate of the model sections for ``args.platform``, one at a time."""
+  build = {"lm": lambda i, p: candidates.lm_candidates(size.lm, [i], [p]),
+           "resnet": lambda i, p: candidates.resnet_candidates(size.resnet, [i], [p]),
+           "matmul": lambda i, label: candidates.matmul_candidates(size.matmul, [label])}
+  rows = []
+  for key in [k for k in ("lm", "resnet", "matmul") if k in args.only]:
+    print(f"[{key}] lowering for {args.platform}")
+    if key == "matmul":
+      pairs = [(None, label) for label in candidates.MATMUL_POLICIES]
+    else:
+      allowed = size.resnet_policies if key == "resnet" else candidates.POLICIES
+      pairs = [(i, p) for p in args.policies if p in allowed for i in impls]
+    for impl, policy in pairs:
+      for c in build[key](impl, policy):  # one at a time: full-size states are large
+        low = lower_for(c, args.platform)
+        c.state = None
+        rows.append(low)
+        half = "n/a" if low.half_share is None else f"{100 * low.half_share:.1f}%"
+        status = f"FAILED: {low.error}" if low.error else f"{low.ops} matmuls, {half} half"
+        print(f"  {c.name:<40} {low.lower_s:6.1f} s  {status}")
+  return rows
+
+
 def _notes(sections: list[report.Section]) -> None:
   if jax.default_backend() == "cpu":
     for s in sections:
-      if s.key != "overhead":
+      if s.key not in ("overhead", "compile"):
         s.notes.append("On CPU, XLA computes bfloat16 dots by converting to float32 and "
                        "float16 has no fast path, so mixed precision saves memory here, "
                        "not time; float32 HIGHEST equals float32.")
@@ -200,6 +259,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, help="steps per candidate per round")
   parser.add_argument("--overhead-rounds", type=int, help="rounds of the overhead section")
   parser.add_argument("--overhead-steps", type=int, help="steps per round, overhead section")
+  parser.add_argument("--lower-only", action="store_true",
+                      help="lower every candidate for --platform, compile and run nothing, "
+                           "write no files")
+  parser.add_argument("--platform", default="cuda",
+                      help="platform --lower-only lowers for (default: cuda)")
   args = parser.parse_args(argv)
 
   size = SIZES[args.size]
@@ -219,6 +283,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       print(f"Keras 3 {keras_note}")
       impls.remove("Keras 3")
 
+  if args.lower_only:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message=".*float16.*", category=RuntimeWarning)
+      rows = _lower_only(size, impls, args)
+    failed = [r for r in rows if r.error]
+    print(f"lowered {len(rows) - len(failed)} of {len(rows)} candidates for {args.platform}")
+    return {"lowered": rows, "failed": failed}
+
   info = report.machine()
   print(f"{info['backend']} / {info['device']} × {info['device_count']}; {info['cpu']}, "
         f"{info['cpu_cores']} cores; jax {info['versions']['jax']}; size {args.size}")
@@ -235,6 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sections.append(_resnet_section(size, impls, args.policies, args))
       elif key == "matmul":
         sections.append(_matmul_section(size, args.policies, args))
+      elif key == "compile":
+        sections.append(_compile_section(
+            size, [p for p in args.policies if p != "float32 HIGHEST"], args))
       else:
         sections.append(_overhead_section(size, args.policies, args))
   _notes(sections)
@@ -246,11 +321,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.out.mkdir(parents=True, exist_ok=True)
   chart = "results.png" if report.write_chart(args.out / "results.png", sections, info) else None
   report.write_markdown(args.out / "RESULTS.md", info, sections, settings, chart,
-                        OVERHEAD_LIMIT)
+                        OVERHEAD_LIMIT, COMPILE_LIMITS)
   report.write_json(args.out / "results.json", info, sections, settings)
   print(f"wrote {args.out / 'RESULTS.md'} ({settings['seconds']} s)")
   return {"machine": info, "settings": settings, "sections": {s.key: s for s in sections}}
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(1 if main().get("failed") else 0)

@@ -4,7 +4,8 @@
 equation, casting each primitive's floating operands as the op lists say
 (:mod:`jaxamp.op_lists`): matmuls and convolutions in the policy's compute dtype,
 precision-sensitive primitives (``exp``, ``log``, sums, ``rsqrt``, ...) in float32,
-mixed-input primitives at the widest input type. It works on any function of arrays:
+bias and residual adds in the compute dtype, other mixed-input primitives at the widest
+input type. It works on any function of arrays:
 pure ``jax.numpy`` code, loss functions, Flax (Linen ``apply``, NNX through
 ``nnx.merge``), Equinox or Haiku models.
 
@@ -47,7 +48,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jaxamp.op_lists import CATEGORIES, DEFAULT_LISTS, AutocastLists
+from jaxamp.op_lists import BFLOAT16_LISTS, CATEGORIES, DEFAULT_LISTS, AutocastLists
 from jaxamp.policy import _HALF, get_policy, global_policy, PolicyLike
 
 __all__ = ["autocast"]
@@ -72,10 +73,14 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
   Low-precision list (``dot_general``, ``conv_general_dilated``): floating operands
   are cast to ``policy.compute_dtype`` and the result is in that dtype (like
   torch.autocast; XLA accumulates half-precision matmuls in float32). Float32 list:
-  float16/bfloat16 operands are cast to float32. Widest list: operands are cast to
-  the widest floating operand type (scalar literals follow the other operands, as
-  weakly typed Python scalars do in ``jax.numpy``). Passthrough: nothing is cast.
-  Integer, boolean and PRNG-key values are never cast.
+  float16/bfloat16 operands are cast to float32. Follow-compute list (``add``,
+  ``sub``, ``mul``): an operand in the compute dtype brings float32 parameters and
+  activations down with it, so bias and residual adds stay in half precision, unless
+  the float32 operand is *pinned* (a float32-list op made it: a norm's statistics, a
+  log-sum-exp), when it is as widest (see :mod:`jaxamp.op_lists`). Widest list:
+  operands are cast to the widest floating operand type (scalar literals follow the
+  other operands, as weakly typed Python scalars do in ``jax.numpy``). Passthrough:
+  nothing is cast. Integer, boolean and PRNG-key values are never cast.
 
   The returned function has ``fn``'s signature: same arguments (any pytrees;
   non-array leaves are passed through as static values) and outputs of the same
@@ -101,7 +106,8 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
       None takes the policy in force now (:func:`jaxamp.global_policy`), as Keras
       layers do when they are built; a later scope does not change it, so ``jax.jit``'s
       cached traces stay valid.
-    lists: the op lists; default :data:`jaxamp.op_lists.DEFAULT_LISTS`.
+    lists: the op lists; default :data:`jaxamp.op_lists.BFLOAT16_LISTS` for bfloat16
+      compute, else :data:`jaxamp.op_lists.DEFAULT_LISTS`.
 
   Returns:
     The autocast function.
@@ -121,11 +127,12 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
         g:f32[1,2] = exp f
       in (g,) }
   """
+  compute = np.dtype(get_policy(global_policy() if policy is None else policy).compute_dtype)
   if lists is None:
-    lists = DEFAULT_LISTS
+    lists = BFLOAT16_LISTS if compute == np.dtype(jnp.bfloat16) else DEFAULT_LISTS
   if not isinstance(lists, AutocastLists):
     raise TypeError(f"lists must be a jaxamp.AutocastLists, got {type(lists).__name__}.")
-  ctx = _Context(get_policy(global_policy() if policy is None else policy).compute_dtype, lists)
+  ctx = _Context(compute, lists)
 
   @functools.wraps(fn)
   def autocast_fn(*args, **kwargs):
@@ -141,7 +148,7 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
 
     values = [leaves[i] for i in dynamic]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*values)
-    outs = _eval_jaxpr(closed.jaxpr, closed.consts, values, ctx)
+    outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, values, ctx)
     outs = [_cast_like(x, aval) for x, aval in zip(outs, closed.out_avals)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -209,23 +216,39 @@ def _is_weak(atom: Any) -> bool:
 # --- the interpreter --------------------------------------------------------------------
 
 def _eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                ctx: _Context) -> list[Any]:
-  """``jax.core.eval_jaxpr`` with autocast: each equation goes through :func:`_eval_eqn`."""
+                ctx: _Context, pinned_args: Sequence[bool] | None = None
+                ) -> tuple[list[Any], list[bool]]:
+  """``jax.core.eval_jaxpr`` with autocast: each equation goes through :func:`_eval_eqn`.
+
+  Returns the outputs and, for each, whether it is a float32 value kept in float32 on
+  purpose (*pinned*, see :func:`_follow_compute`). ``pinned_args`` says which ``args``
+  are pinned (default: none, like the autocast function's own arguments).
+  """
   env: dict[Any, Any] = {}
+  pinned: set[Any] = set()  # float32 variables whose float32 is on purpose
 
   def read(atom: Any) -> Any:
     return atom.val if isinstance(atom, jcore.Literal) else env[atom]
 
+  def is_pinned(atom: Any) -> bool:
+    return not isinstance(atom, jcore.Literal) and atom in pinned
+
+  def record(variables: Sequence[Any], values: Sequence[Any], flags: Sequence[bool]) -> None:
+    env.update(zip(variables, values))
+    pinned.update(v for v, x, flag in zip(variables, values, flags)
+                  if flag and _dtype(x) == _FLOAT32)
+
   env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
+  record(jaxpr.invars, args, pinned_args or [False] * len(args))
   with _cast_cache():
     for eqn in jaxpr.eqns:
       name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
       with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager):
-        outs = _eval_eqn(eqn, [read(a) for a in eqn.invars], ctx)
-      env.update(zip(eqn.outvars, outs))
-    return [read(a) for a in jaxpr.outvars]
+        outs, flags = _eval_eqn(eqn, [read(a) for a in eqn.invars],
+                                [is_pinned(a) for a in eqn.invars], ctx)
+      record(eqn.outvars, outs, flags)
+    return [read(a) for a in jaxpr.outvars], [is_pinned(a) for a in jaxpr.outvars]
 
 
 def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
@@ -233,24 +256,33 @@ def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any], params: dict[str, Any]) ->
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], ctx: _Context) -> list[Any]:
+def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], pinned: list[bool],
+              ctx: _Context) -> tuple[list[Any], list[bool]]:
+  """One equation under the op lists: its outputs and which of them are pinned."""
   higher_order = _HIGHER_ORDER.get(eqn.primitive.name)
   if higher_order is not None:
-    return higher_order(eqn, invals, ctx)
+    return higher_order(eqn, invals, pinned, ctx)
   category = ctx.lists.resolve(eqn)
   name = eqn.primitive.name
   if (category == "as_traced" and ctx.lists.category(name) is None
       and DEFAULT_LISTS.category(name) is None):  # not one a user removed on purpose
     _warn_unlisted(name, invals)
+  pin = any(pinned)  # a value computed from a pinned one stays pinned
   if category == "low_precision":
-    return _low_precision(eqn, invals, ctx)
+    return _low_precision(eqn, invals, ctx), [False] * len(eqn.outvars)
   if category == "float32":
     invals = [_cast(x, _FLOAT32) if _dtype(x) in _HALF else x for x in invals]
+    pin = True
+  elif category == "follow_compute":
+    invals, followed = _follow_compute(invals, pinned, ctx)
+    if not followed:
+      invals = _to_widest(eqn, invals)
   elif category == "widest":
     invals = _to_widest(eqn, invals)
   elif category == "as_traced":
     invals = _as_traced(eqn.invars, invals)
-  return _bind(eqn, invals, eqn.params)
+    pin = True  # float32 because it was traced so, like a loop's carry
+  return _bind(eqn, invals, eqn.params), [pin] * len(eqn.outvars)
 
 
 _warned_unlisted: set[str] = set()
@@ -287,6 +319,27 @@ def _low_precision(eqn: jcore.JaxprEqn, invals: list[Any], ctx: _Context) -> lis
   return _bind(eqn, invals, params)
 
 
+def _follow_compute(invals: list[Any], pinned: list[bool], ctx: _Context
+                    ) -> tuple[list[Any], bool]:
+  """(operands, True) in the compute dtype if the follow-compute rule applies, else
+  (``invals``, False).
+
+  It applies when some floating operand is in the compute dtype and every other one is
+  a float32 value that is not pinned: a parameter, an input, a value computed from
+  them (an embedding lookup), not one a float32-list op produced. So a bias added to a
+  matmul's result, a residual stream added to a block's output and a scale multiplied
+  into it stay in the compute dtype (torch.autocast's ``addmm`` casts its bias too),
+  while ``x - logsumexp(x)`` or ``x * rsqrt(var)`` keep the float32 of their
+  statistics.
+  """
+  compute = ctx.compute_dtype
+  floats = [(_dtype(x), p) for x, p in zip(invals, pinned) if _is_float(_dtype(x))]
+  if (compute == _FLOAT32 or not any(d == compute for d, _ in floats)
+      or not all(d == compute or (d == _FLOAT32 and not p) for d, p in floats)):
+    return invals, False
+  return [_cast(x, compute) if _is_float(_dtype(x)) else x for x in invals], True
+
+
 def _to_widest(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
   floats = [(_dtype(x), _is_weak(a)) for a, x in zip(eqn.invars, invals) if _is_float(_dtype(x))]
   if len({d for d, _ in floats}) < 2:
@@ -306,10 +359,15 @@ def _as_traced(atoms: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
 # --- higher-order primitives ------------------------------------------------------------
 
 def _autocast_closed(closed: jcore.ClosedJaxpr, ctx: _Context) -> jcore.ClosedJaxpr:
-  """``closed`` autocast inside, with exactly its input and output types."""
+  """``closed`` autocast inside, with exactly its input and output types.
+
+  Its float32 inputs count as pinned: they arrive at the types the function was traced
+  with (loop carries, a custom rule's operands), which autocast keeps on purpose, so a
+  float32 accumulator carried through a loop is not added to in half precision.
+  """
 
   def run(*args):
-    outs = _eval_jaxpr(closed.jaxpr, closed.consts, args, ctx)
+    outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, [True] * len(args))
     return [_cast_like(x, aval) for x, aval in zip(outs, closed.out_avals)]
 
   debug_info = closed.jaxpr.debug_info
@@ -317,36 +375,54 @@ def _autocast_closed(closed: jcore.ClosedJaxpr, ctx: _Context) -> jcore.ClosedJa
   return jax.make_jaxpr(run)(*closed.in_avals)
 
 
-def _inline_call(eqn, invals, ctx):
+def _traced_outputs(outs: list[Any]) -> tuple[list[Any], list[bool]]:
+  """Outputs of a primitive kept at its traced types: the float32 ones are pinned."""
+  return outs, [_dtype(x) == _FLOAT32 for x in outs]
+
+
+def _inline_call(eqn, invals, pinned, ctx):
   """``jit``/``closed_call``: evaluate the callee in place, at the dtypes that arrive."""
   callee = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
   jaxpr, consts = ((callee.jaxpr, callee.consts) if isinstance(callee, jcore.ClosedJaxpr)
                    else (callee, ()))
   name = eqn.params.get("name")
-  if name:
-    with jax.named_scope(name):
-      return _eval_jaxpr(jaxpr, consts, invals, ctx)
-  return _eval_jaxpr(jaxpr, consts, invals, ctx)
+  with jax.named_scope(name) if name else contextlib.nullcontext():
+    return _eval_jaxpr(jaxpr, consts, invals, ctx, pinned)
 
 
-def _checkpoint(eqn, invals, ctx):
+def _traced_body(jaxpr: jcore.Jaxpr, pinned: list[bool], ctx: _Context):
+  """(body, flags): ``body(args)`` autocasts ``jaxpr`` and returns its outputs (for
+  ``jax.checkpoint`` and ``shard_map`` to trace); ``flags`` then holds which are pinned."""
+  flags: list[bool] = []
+
+  def body(args):
+    outs, out_pinned = _eval_jaxpr(jaxpr, (), args, ctx, pinned)
+    flags[:] = out_pinned
+    return outs
+
+  return body, flags
+
+
+def _checkpoint(eqn, invals, pinned, ctx):
   """``jax.checkpoint``: re-checkpoint the autocast body with the same policy."""
   params = eqn.params
-  body = functools.partial(_eval_jaxpr, params["jaxpr"], (), ctx=ctx)
-  return list(jax.checkpoint(lambda *a: body(a), prevent_cse=params["prevent_cse"],
+  body, flags = _traced_body(params["jaxpr"], pinned, ctx)
+  outs = list(jax.checkpoint(lambda *a: body(a), prevent_cse=params["prevent_cse"],
                              policy=params["policy"])(*invals))
+  return outs, flags
 
 
 def _control_flow(*jaxpr_params: str):
   """``scan``/``while``/``cond``: autocast bodies, keep carries at the traced dtypes."""
 
-  def rule(eqn, invals, ctx):
+  def rule(eqn, invals, pinned, ctx):
+    del pinned  # the bodies see their operands at the traced types, pinned
     params = dict(eqn.params)
     for key in jaxpr_params:
       value = params[key]
       params[key] = (tuple(_autocast_closed(j, ctx) for j in value) if isinstance(value, tuple)
                      else _autocast_closed(value, ctx))
-    return _bind(eqn, _as_traced(eqn.invars, invals), params)
+    return _traced_outputs(_bind(eqn, _as_traced(eqn.invars, invals), params))
 
   return rule
 
@@ -368,36 +444,39 @@ def _wrap_thunk(thunk: Any, ctx: _Context) -> Any:
   return lu.wrap_init(autocast_thunk, debug_info=thunk.debug_info)
 
 
-def _custom_jvp(eqn, invals, ctx):
+def _custom_jvp(eqn, invals, pinned, ctx):
   """``custom_jvp``: autocast the primal and the JVP rule; AD still uses the rule."""
+  del pinned
   params = dict(eqn.params,
                 call_jaxpr=_autocast_closed(eqn.params["call_jaxpr"], ctx),
                 jvp_jaxpr_fun=_wrap_thunk(eqn.params["jvp_jaxpr_fun"], ctx))
-  return _bind(eqn, _as_traced(eqn.invars, invals), params)
+  return _traced_outputs(_bind(eqn, _as_traced(eqn.invars, invals), params))
 
 
-def _custom_vjp(eqn, invals, ctx):
+def _custom_vjp(eqn, invals, pinned, ctx):
   """``custom_vjp``: autocast the primal and the forward rule (residual types unchanged);
   the backward rule runs as written."""
+  del pinned
   params = dict(eqn.params,
                 call_jaxpr=_autocast_closed(eqn.params["call_jaxpr"], ctx),
                 fwd_jaxpr_thunk=_wrap_thunk(eqn.params["fwd_jaxpr_thunk"], ctx))
-  return _bind(eqn, _as_traced(eqn.invars, invals), params)
+  return _traced_outputs(_bind(eqn, _as_traced(eqn.invars, invals), params))
 
 
-def _shard_map(eqn, invals, ctx):
+def _shard_map(eqn, invals, pinned, ctx):
   """``shard_map``: autocast the body inside the same mesh and specs."""
   params = eqn.params
-  body = functools.partial(_eval_jaxpr, params["jaxpr"], (), ctx=ctx)
+  body, flags = _traced_body(params["jaxpr"], pinned, ctx)
   mapped = jax.shard_map(lambda *a: tuple(body(a)), mesh=params["mesh"],
                          in_specs=tuple(params["in_specs"]),
                          out_specs=tuple(params["out_specs"]),
                          axis_names=params["newly_manual_axes"],
                          check_vma=params["check_vma"])
-  return list(mapped(*invals))
+  return list(mapped(*invals)), flags
 
 
-_HIGHER_ORDER: dict[str, Callable[[Any, list[Any], _Context], list[Any]]] = {
+_HIGHER_ORDER: dict[str, Callable[[Any, list[Any], list[bool], _Context],
+                                   tuple[list[Any], list[bool]]]] = {
     "jit": _inline_call,
     "closed_call": _inline_call,
     "call": _inline_call,

@@ -3,21 +3,38 @@
 :func:`jaxamp.autocast` looks up every primitive of the traced function in an
 :class:`AutocastLists` and casts its floating operands accordingly:
 
-============= ============================================= =========================================
-list          operands are cast to                          examples
-============= ============================================= =========================================
-low_precision the policy's compute dtype (so is the result) ``dot_general``, ``conv_general_dilated``
-float32       float32 (float16/bfloat16 operands only)      ``exp``, ``log``, ``pow``, ``rsqrt``,
-                                                            ``cumprod``, linear algebra, ``fft``
-widest        the widest floating operand type (scalar      ``add``, ``mul``, ``select_n``,
-              literals follow the other operands)           ``concatenate``, comparisons
-passthrough   nothing: runs in whatever dtype arrives       ``reshape``, ``tanh``, ``reduce_max``,
-                                                            ``gather``, collectives, PRNG ops
-as_traced     the dtypes the function was traced with       ``scatter`` (its combiner is typed),
-                                                            ``bitcast_convert_type``, callbacks
-conditional   whichever list a rule picks per equation      ``reduce_sum``, ``cumsum``: float32 when
-                                                            they sum more than 1 element
-============= ============================================= =========================================
+============== ============================================= =========================================
+list           operands are cast to                          examples
+============== ============================================= =========================================
+low_precision  the policy's compute dtype (so is the result) ``dot_general``, ``conv_general_dilated``
+float32        float32 (float16/bfloat16 operands only)      ``exp``, ``log``, ``pow``, ``rsqrt``,
+                                                             ``cumprod``, linear algebra, ``fft``
+follow_compute the compute dtype if one operand is in it and ``add``, ``sub``, ``mul``
+               the others are float32 but not pinned (see
+               below); else as widest
+widest         the widest floating operand type (scalar      ``div``, ``select_n``, ``concatenate``,
+               literals follow the other operands)           comparisons
+passthrough    nothing: runs in whatever dtype arrives       ``reshape``, ``tanh``, ``reduce_max``,
+                                                             ``gather``, collectives, PRNG ops
+as_traced      the dtypes the function was traced with       ``scatter`` (its combiner is typed),
+                                                             ``bitcast_convert_type``, callbacks
+conditional    whichever list a rule picks per equation      ``reduce_sum``, ``cumsum``: float32 when
+                                                             they sum more than 1 element
+============== ============================================= =========================================
+
+**follow_compute** keeps a Linear or attention block's activations in the compute
+dtype, as a model with ``dtype=`` set on every Flax layer keeps them: the bias added to
+a matmul's half-precision result is cast down (torch.autocast's ``addmm``, matmul and
+bias in one op, does the same), and so is the float32 residual stream it is added to
+(``x + attn(ln(x))``) and a float32 scale multiplied into it. A float32 value is
+*pinned*, and then wins as in ``widest``, when a float32-list op (or a sum the
+conditional rule sends to float32) produced it or it was computed from one, or when it
+crosses a loop, ``cond`` or custom-derivative boundary (autocast keeps those at the
+traced dtypes): a norm's statistics, ``x - logsumexp(x)``, a loss, a loop's float32
+accumulator keep float32. Parameters, inputs and what is computed from them alone
+(embedding lookups) are not pinned. Torch promotes ``x_fp32 + y_fp16`` to float32 instead
+(its residual stream stays float32; so does MXNet's, through ``WIDEST_TYPE_CASTS``).
+For torch's behaviour, ``lists.add('add', 'sub', 'mul', to='widest')``.
 
 A primitive in no list is treated as ``as_traced``: autocast cannot know whether an
 unknown primitive (a Pallas kernel, a callback) accepts other dtypes. Integer, boolean
@@ -36,6 +53,8 @@ low_precision       matmul, mm, bmm, addmm, linear, conv*   FP16_FUNCS (FullyCon
 float32             exp, log*, pow, rsqrt, acos, asin,      FP32_FUNCS (exp, log, norm,
                     cosh, sinh, tan, erfinv, cumprod, prod  topk, ...)
 conditional         sum, cumsum (always float32 in torch)   CONDITIONAL_FP32_FUNCS
+follow_compute      addmm's bias (cast with the matmul);    (none: elemwise_add is widest)
+                    add/sub/mul promote to the widest type
 widest              addcmul, atan2, cat, stack, index_put   WIDEST_TYPE_CASTS
 passthrough         (everything not listed)                 FP16_FP32_FUNCS
 as_traced           (none: torch ops carry no typed bodies) (none)
@@ -46,6 +65,11 @@ not primitives in JAX; they decompose into ``exp``, ``reduce_sum``, ``rsqrt``, `
 which the lists put in float32, so they run in float32 as in torch. ``square`` and
 ``integer_pow`` are float32 like torch's ``pow`` (``x**2`` overflows float16 above 256).
 ``sqrt``, ``tanh``, ``logistic`` and ``erf`` are passthrough as in torch.
+
+Under bfloat16 the defaults are :data:`BFLOAT16_LISTS`: ``square`` and ``integer_pow``
+are passthrough there, because bfloat16 has float32's range, and keeping ``x**3`` in
+float32 would run all of ``jax.nn.gelu`` in float32 (torch runs ``gelu`` in half
+precision as one op). MXNet AMP also keeps separate float16 and bfloat16 lists.
 
 The lists are immutable; edit a copy:
 
@@ -68,6 +92,7 @@ from typing import Any, Union
 
 __all__ = [
     "AutocastLists",
+    "BFLOAT16_LISTS",
     "CATEGORIES",
     "DEFAULT_LISTS",
     "HIGHER_ORDER",
@@ -75,7 +100,8 @@ __all__ = [
     "Rule",
 ]
 
-CATEGORIES: tuple[str, ...] = ("low_precision", "float32", "widest", "passthrough", "as_traced")
+CATEGORIES: tuple[str, ...] = ("low_precision", "float32", "follow_compute", "widest",
+                               "passthrough", "as_traced")
 """The lists an equation can be run by (a conditional rule returns one of these)."""
 
 # A rule gets the equation (a ``jax.extend.core.JaxprEqn``: primitive, params, operand
@@ -115,9 +141,14 @@ _FLOAT32 = frozenset({
     "geqp3", "ormqr", "cholesky_update", "symmetric_product", "fft",
 })
 
+_FOLLOW_COMPUTE = frozenset({
+    # a bias, scale or residual stream added to, or multiplied into, a matmul's result
+    "add", "sub", "mul",
+})
+
 _WIDEST = frozenset({
     # binary arithmetic and comparisons: lax requires equal operand dtypes
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2", "nextafter",
+    "add_any", "div", "rem", "max", "min", "atan2", "nextafter",
     "complex", "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
     # several arrays combined into one
     "clamp", "select_n", "concatenate", "stack", "pad", "dynamic_update_slice",
@@ -242,6 +273,9 @@ class AutocastLists:
   Attributes:
     low_precision: cast to the policy's compute dtype.
     float32: float16/bfloat16 operands cast to float32.
+    follow_compute: cast to the compute dtype when one floating operand is in it and
+      the others are float32 values not pinned to float32 (see the module docstring);
+      else as ``widest``.
     widest: cast to the widest floating operand dtype (scalar literals and weakly
       typed values follow the others).
     passthrough: run in whatever dtype arrives.
@@ -252,6 +286,7 @@ class AutocastLists:
 
   low_precision: frozenset[str] = _LOW_PRECISION
   float32: frozenset[str] = _FLOAT32
+  follow_compute: frozenset[str] = _FOLLOW_COMPUTE
   widest: frozenset[str] = _WIDEST
   passthrough: frozenset[str] = _PASSTHROUGH
   as_traced: frozenset[str] = _AS_TRACED
@@ -342,4 +377,10 @@ class AutocastLists:
 
 
 DEFAULT_LISTS = AutocastLists()
-"""The default lists (``AutocastLists()``)."""
+"""The default lists (``AutocastLists()``), for float16 compute."""
+
+# Powers are float32 for float16's range (x**2 overflows above 256); bfloat16 has
+# float32's range.
+BFLOAT16_LISTS = DEFAULT_LISTS.add("square", "integer_pow", to="passthrough")
+"""The default lists for bfloat16 compute: :data:`DEFAULT_LISTS` with ``square`` and
+``integer_pow`` passthrough."""

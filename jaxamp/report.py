@@ -22,10 +22,11 @@ Example:
   >>> print(report)
   op           lhs        rhs         out         count  FLOPs   share
   dot_general  bf16[4,8]  bf16[8,16]  bf16[4,16]      1  1.02K  100.0%
-  half-precision share: 100.0% of 1.02K matmul FLOPs (1 ops, 2 casts between float types)
+  half-precision share: 100.0% of 1.02K matmul FLOPs (1 ops, 2 casts between float types, 258 B)
   residuals: 128 B activations; 384 B with arguments
 
-The two casts are ``jnp.sum`` accumulating the bfloat16 values in float32.
+The two casts are ``jnp.sum`` accumulating the bfloat16 values in float32: the values
+widened (256 B written) and the sum narrowed back (2 B).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class PrecisionReport:
     flops_by_dtype: FLOPs per ``(lhs_dtype, rhs_dtype)`` pair.
     casts: executed ``stablehlo.convert`` ops from one floating type to another
       (multiplicities included, like FLOPs).
+    cast_bytes: bytes those converts write (their results' sizes, multiplicities
+      included): the memory traffic a policy's casts cost before the compiler fuses
+      them into neighbouring ops.
     residual_bytes: bytes reverse mode saves between forward and backward, not
       counting buffers that are the function's own arguments (or closed-over
       constants); ``None`` if the function cannot be reverse-differentiated.
@@ -116,6 +120,7 @@ class PrecisionReport:
   half_share: float
   flops_by_dtype: dict[tuple[str, str], int]
   casts: int
+  cast_bytes: int
   residual_bytes: int | None
   residual_bytes_with_args: int | None
   residuals: list[tuple[tuple[int, ...], str]] | None
@@ -142,7 +147,7 @@ class PrecisionReport:
     n_ops = sum(op.multiplicity for op in self.ops)
     lines.append(f"half-precision share: {_percent(self.half_flops, self.total_flops)} of "
                  f"{_human(self.total_flops)} matmul FLOPs ({n_ops} ops, {self.casts} casts "
-                 f"between float types)")
+                 f"between float types, {_bytes(self.cast_bytes)})")
     if self.unknown_trip_loops:
       lines.append(f"note: {self.unknown_trip_loops} loop(s) with unknown trip count; "
                    "their ops are counted once")
@@ -167,6 +172,7 @@ class PrecisionReport:
         "half_share": self.half_share,
         "flops_by_dtype": {f"{a} x {b}": f for (a, b), f in self.flops_by_dtype.items()},
         "casts": self.casts,
+        "cast_bytes": self.cast_bytes,
         "residual_bytes": self.residual_bytes,
         "residual_bytes_with_args": self.residual_bytes_with_args,
         "residuals": None if self.residuals is None else
@@ -227,7 +233,8 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
       raise ValueError(f"argnums {argnums!r} out of range for {len(args)} positional args.")
   bound = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
   target = jax.value_and_grad(bound, argnums=argnums) if backward else bound
-  ops, casts, unknown_loops = _parse_module(_module_text(jax.jit(target).lower(*args)))
+  ops, casts, cast_bytes, unknown_loops = _parse_module(
+      _module_text(jax.jit(target).lower(*args)))
   residuals = _residuals(bound, args, nums)
 
   total = sum(op.total_flops for op in ops)
@@ -245,7 +252,7 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
     shapes = [(s, _dtype_name(d)) for s, d in activations]
   return PrecisionReport(
       ops=ops, total_flops=total, half_flops=half, half_share=half / total if total else 0.0,
-      flops_by_dtype=by_dtype, casts=casts, residual_bytes=saved,
+      flops_by_dtype=by_dtype, casts=casts, cast_bytes=cast_bytes, residual_bytes=saved,
       residual_bytes_with_args=with_args, residuals=shapes, unknown_trip_loops=unknown_loops)
 
 
@@ -370,8 +377,9 @@ class _Frame:
 _FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
-def _parse_module(text: str) -> tuple[list[MatmulOp], int, int]:
-  """(ops with multiplicities, executed float casts, loops with unknown trip count)."""
+def _parse_module(text: str) -> tuple[list[MatmulOp], int, int, int]:
+  """(ops with multiplicities, executed float casts, bytes they write, loops with
+  unknown trip count)."""
   # Per function: matmul entries, casts and calls, each with its enclosing loops.
   funcs: dict[str, dict[str, list]] = {}
   public: list[str] = []
@@ -432,16 +440,17 @@ def _parse_module(text: str) -> tuple[list[MatmulOp], int, int]:
 
   counts = _call_counts(funcs, public)
   ops: list[MatmulOp] = []
-  casts = unknown = 0
+  casts = cast_bytes = unknown = 0
   for name, body in funcs.items():
     count = counts.get(name, 0)
     if not count:
       continue
     for op, around in body["ops"]:
       ops.append(op._replace(multiplicity=count * _trips(around), function=name.strip('"')))
-    casts += sum(count * _trips(around) for around in body["casts"])
+    casts += sum(count * _trips(around) for around, _ in body["casts"])
+    cast_bytes += sum(count * _trips(around) * nbytes for around, nbytes in body["casts"])
     unknown += sum(1 for loop in body["loops"] if loop.trips is None)
-  return ops, casts, unknown
+  return ops, casts, cast_bytes, unknown
 
 
 def _parse_line(raw: str, code: str, stack: list[_Frame], current: dict[str, list],
@@ -472,7 +481,9 @@ def _parse_line(raw: str, code: str, stack: list[_Frame], current: dict[str, lis
   elif re.search(r"\bstablehlo\.convert\b", code):
     types = _signature(raw)
     if types and len(types[0]) == 1 and _is_float(types[0][0][1]) and _is_float(types[1][1]):
-      current["casts"].append(around)
+      shape, dtype = types[1]
+      nbytes = math.prod(shape) * _itemsize(dtype) if min(shape, default=0) >= 0 else 0
+      current["casts"].append((around, nbytes))
 
 
 def _close_region(frame: _Frame, returned: str, lookup, constant) -> None:
@@ -577,6 +588,13 @@ def _mlir_dtype(t: str) -> str:
   if m:  # f8E4M3FN -> float8_e4m3fn, as ml_dtypes names them
     return f"float{m.group(1)}_{m.group(2).lower()}"
   return t
+
+
+def _itemsize(dtype: str) -> int:
+  try:
+    return jax.numpy.dtype(dtype).itemsize
+  except TypeError:  # 'tf32' and types numpy has no name for
+    return 4
 
 
 def _is_float(dtype: str) -> bool:

@@ -1,6 +1,7 @@
 """Tests for jaxamp.autocast: per-op precision on lowered StableHLO, AD, control flow."""
 
 import collections
+import pathlib
 import re
 import sys
 import warnings
@@ -14,6 +15,7 @@ from flax import nnx
 from jax import lax
 
 import jaxamp
+import nnx_models
 from jaxamp.autocast import _HIGHER_ORDER
 from jaxamp.op_lists import HIGHER_ORDER, ReductionSize
 
@@ -54,6 +56,16 @@ def _result_types(text, op):
 
 def _sum_types(text):
   return [_element_type(l) for l in text.splitlines() if "applies stablehlo.add" in l]
+
+
+def _half_sum_shapes(text):
+  """Result shapes of the sums that do not run in float32."""
+  shapes = []
+  for line in text.splitlines():
+    if "applies stablehlo.add" in line and _element_type(line) != "f32":
+      result = re.findall(r"tensor<([^>]*)>", line)[-1].split("x")[:-1]
+      shapes.append(tuple(int(d) for d in result))
+  return shapes
 
 
 def _dot_operand_types(text):
@@ -142,19 +154,26 @@ def test_mlp_matmuls_half_forward_and_backward(policy):
   text = _lowered(jax.value_and_grad(loss), params, x, y)
   half = "bf16" if policy == "mixed_bfloat16" else "f16"
   assert set(_dot_operand_types(text)) == {(half, half)}
-  # log_softmax: exp, log and the sums in float32, forward and backward.
+  # log_softmax: exp, log and the sums in float32, forward and backward...
   assert _result_types(text, "exponential") and set(_result_types(text, "exponential")) == {"f32"}
   assert _result_types(text, "log") and set(_result_types(text, "log")) == {"f32"}
-  assert _sum_types(text) and set(_sum_types(text)) == {"f32"}
+  assert _sum_types(text) and set(_sum_types(_lowered(loss, params, x, y))) == {"f32"}
+  # ...but for the biases' gradients: a bias is added in half precision (follow_compute),
+  # so its gradient is summed over the batch in it, as with Flax's dtype=.
+  assert sorted(_half_sum_shapes(text)) == sorted(b.shape for _, b in params)
 
 
 def mlp_loss_cast_by_hand(params, x, y, dtype):
-  """``mlp_loss`` with each matmul's operands cast to ``dtype`` and its result to float32."""
+  """``mlp_loss`` with each matmul and bias add in ``dtype``, log_softmax's exp, log and
+  sums in float32 (the op lists, written out)."""
   for w, b in params[:-1]:
-    x = jax.nn.relu((x.astype(dtype) @ w.astype(dtype)).astype(F32) + b)
+    x = (x.astype(dtype) @ w.astype(dtype) + b.astype(dtype)).astype(F32)  # relu: custom_jvp
+    x = jax.nn.relu(x)
   w, b = params[-1]
-  logits = (x.astype(dtype) @ w.astype(dtype)).astype(F32) + b
-  return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
+  logits = x.astype(dtype) @ w.astype(dtype) + b.astype(dtype)
+  shifted = logits - lax.stop_gradient(logits.max(-1, keepdims=True))
+  lse = jnp.log(jnp.sum(jnp.exp(shifted.astype(F32)), -1, keepdims=True))
+  return -jnp.mean(jnp.sum((shifted.astype(F32) - lse) * y, axis=-1))
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
@@ -184,10 +203,11 @@ def test_transformer_block(policy):
   assert _half_share(loss, p, x, backward=True) == 1.0
   text = _lowered(jax.value_and_grad(loss), p, x)
   assert len(_dot_operand_types(text)) >= 18  # 8 forward matmuls, 2 per matmul backward
-  # softmax's exp, the layer norms' sums and rsqrt, and every sum run in float32.
+  # softmax's exp, the layer norms' sums and rsqrt, and every sum but the bias
+  # gradients' run in float32.
   assert _result_types(text, "exponential") and set(_result_types(text, "exponential")) == {"f32"}
   assert _result_types(text, "rsqrt") and set(_result_types(text, "rsqrt")) == {"f32"}
-  assert set(_sum_types(text)) == {"f32"}
+  assert sorted(_half_sum_shapes(text)) == [(16,), (64,)]  # b2, b1
   value, grads = _value_and_grad(loss)(p, x)
   ref_value, ref_grads = _value_and_grad(block_loss)(p, x)
   assert _rel_err(value, ref_value) < TOL[policy]
@@ -519,17 +539,36 @@ def test_integers_bools_and_keys_are_never_cast():
   assert grad.dtype == F32 and _rel_err(grad, _grad(lambda t: f(t, ids, mask, key, w)[0].sum())(table)) < 3e-2
 
 
-def test_widest_and_literals():
-  # bf16 matmul + float32 bias -> float32 add; a literal follows the other operand.
-  def f(x, w, b):
-    h = x @ w
-    return h * 2.0, h + b
+def test_follow_compute_widest_and_literals():
+  def f(x, w, b, s):
+    h = x @ w  # bfloat16
+    return (h * 2.0,                        # a literal follows the other operand
+            h + b,                          # a float32 parameter follows the matmul
+            (h + b) + x,                    # and so does a float32 residual stream
+            h * s,                          # or scale
+            h - jax.nn.logsumexp(h, -1, keepdims=True),  # pinned: float32 on purpose
+            h / s,                          # div is widest
+            lax.fori_loop(0, 2, lambda i, acc: acc + h, x))  # carries are pinned
 
-  x, w, b = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones(4)
-  eqns = jax.make_jaxpr(jaxamp.autocast(f, BF16))(x, w, b).eqns
-  by_name = {e.primitive.name: e for e in eqns}
-  assert by_name["mul"].outvars[0].aval.dtype == BF16
-  assert by_name["add"].outvars[0].aval.dtype == F32
+  x, w, b, s = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones(4), jnp.full(4, 2.0)
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(f, BF16))(x, w, b, s).jaxpr
+  eqns = jaxpr.eqns
+  assert all(v.aval.dtype == F32 for v in jaxpr.outvars)  # the signature: cast back at the end
+  made_by = {v: eqn for eqn in eqns for v in eqn.outvars}
+  computed = []
+  for v in jaxpr.outvars:  # each output's dtype before the final cast back to float32
+    eqn = made_by[v]
+    computed.append(eqn.invars[0].aval.dtype if eqn.primitive.name == "convert_element_type"
+                    else v.aval.dtype)
+  assert computed == [BF16, BF16, BF16, BF16, F32, F32, F32]
+  (loop,) = [e for e in eqns if e.primitive.name in ("while", "scan")]
+  body = loop.params["body_jaxpr" if loop.primitive.name == "while" else "jaxpr"].jaxpr
+  (add,) = [e for e in body.eqns if e.primitive.name == "add" and e.outvars[0].aval.shape]
+  assert add.outvars[0].aval.dtype == F32  # the accumulator is not added to in bfloat16
+  # torch's rule (mixed inputs promote) is one edit away.
+  widest = jaxamp.AutocastLists().add("add", "sub", "mul", to="widest")
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(lambda x, w, b: x @ w + b, BF16, lists=widest))(x, w, b)
+  assert jaxpr.eqns[-1].primitive.name == "add" and jaxpr.eqns[-1].outvars[0].aval.dtype == F32
 
 
 def test_reduction_size_rule():
@@ -578,6 +617,63 @@ def test_signature_preserved():
   assert jaxamp.autocast(f).__name__ == "f"
 
 
+# --- against the hand-set Flax model (issue 12) ----------------------------------------------
+
+def _nnx_lm_losses():
+  tokens, targets = nnx_models.lm_batch(batch=2, length=16)
+
+  def loss_of(dtype):
+    graphdef, params, rest = nnx.split(
+        nnx_models.TransformerLM(max_len=16, dtype=dtype, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params, rest, tokens, targets):
+      logits = nnx.merge(graphdef, params, rest)(tokens).astype(F32)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+    return loss, (params, rest, tokens, targets)
+
+  return loss_of
+
+
+def _benchmark_gpt_losses():
+  """The benchmarks' GPT (issue 12 measured O1 on it), small."""
+  root = str(pathlib.Path(__file__).resolve().parent.parent)
+  sys.path.insert(0, root)
+  try:
+    from benchmarks import models  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(root)
+  cfg = models.LMConfig(vocab=64, dim=32, heads=2, layers=2, seq_len=16, batch=2)
+  batch = models.lm_batch(cfg)
+
+  def loss_of(dtype):
+    graphdef, params, rest = nnx.split(models.GPT(cfg, dtype=dtype, rngs=nnx.Rngs(0)),
+                                       nnx.Param, ...)
+    loss = lambda params, rest, batch: models.lm_loss(nnx.merge(graphdef, params, rest), batch)
+    return loss, (params, rest, batch)
+
+  return loss_of
+
+
+# Not Flax Linen's MultiHeadDotProductAttention: with dtype=bfloat16 it runs softmax in
+# bfloat16, which autocast keeps in float32 (as torch does).
+@pytest.mark.parametrize("losses", [_nnx_lm_losses, _benchmark_gpt_losses],
+                         ids=["nnx_models", "benchmarks_gpt"])
+def test_transformer_casts_and_residuals_at_most_hand_set(losses):
+  """O1 (autocast of the float32 model) casts no more bytes and saves no more residuals
+  than the same transformer with ``dtype=bfloat16`` set by hand on every Flax layer:
+  bias and residual adds stay in bfloat16 (follow_compute), and so does GELU."""
+  loss_of = losses()
+  plain, args = loss_of(None)
+  hand, _ = loss_of(BF16)
+  auto = jaxamp.precision_report(jaxamp.autocast(plain, "mixed_bfloat16"), *args,
+                                 backward=True)
+  by_hand = jaxamp.precision_report(hand, *args, backward=True)
+  assert auto.half_share == 1.0 and auto.total_flops == by_hand.total_flops
+  assert 0 < auto.cast_bytes <= by_hand.cast_bytes
+  assert 0 < auto.residual_bytes <= by_hand.residual_bytes
+
+
 # --- overhead --------------------------------------------------------------------------------
 
 def test_no_work_beyond_the_casts():
@@ -590,12 +686,19 @@ def test_no_work_beyond_the_casts():
     logits = x @ w + b
     return jnp.mean(jnp.sum(jnp.exp(logits - logits.max(-1, keepdims=True)), -1))
 
-  def by_hand(params, x):
+  def bias(b):
+    # jnp strips the weak type of b (jnp.full) with a no-op convert and ranks it up to
+    # the activation's; autocast casts the float32 bias it finds there.
+    return lax.expand_dims(b.astype(F32), (0,)).astype(BF16)
+
+  def by_hand(params, x):  # matmuls, bias adds and tanh in bfloat16; exp and sums float32
+    x = x.astype(BF16)
     for w, b in params[:-1]:
-      x = jnp.tanh((x.astype(BF16) @ w.astype(BF16)).astype(F32) + b)
+      x = jnp.tanh(x @ w.astype(BF16) + bias(b))
     w, b = params[-1]
-    logits = (x.astype(BF16) @ w.astype(BF16)).astype(F32) + b
-    return jnp.mean(jnp.sum(jnp.exp(logits - logits.max(-1, keepdims=True)), -1))
+    logits = x @ w.astype(BF16) + bias(b)
+    shifted = (logits - logits.max(-1, keepdims=True)).astype(F32)
+    return jnp.mean(jnp.sum(jnp.exp(shifted), -1))
 
   params, x, _ = _mlp_data()
 

@@ -7,6 +7,7 @@ same matmul FLOPs as the jaxamp model), never how fast anything is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -190,6 +191,42 @@ def test_benchmark_harness_smoke(tmp_path):
   assert data["machine"]["backend"] == jax.default_backend()
   assert data["sections"]["lm"]["results"][0]["half_share"] == 1.0
   assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_benchmark_lower_only_lowers_for_cuda(capsys):
+  """``--lower-only``: the candidates lower for CUDA on this CPU, nothing compiles."""
+  out = _benchmarks().run.main([
+      "--size", "smoke", "--lower-only", "--only", "lm", "matmul", "--impls", "jaxamp",
+      "hand", "--no-keras", "--policies", "float32", "mixed_float16"])
+  rows = out["lowered"]
+  assert not out["failed"] and {r.platform for r in rows} == {"cuda"}
+  lm = {(r.impl, r.policy): r for r in rows if r.impl in ("jaxamp", "hand-written Flax")}
+  assert set(lm) == {(i, p) for i in ("jaxamp", "hand-written Flax")
+                     for p in ("float32", "mixed_float16")}
+  assert len({r.ops for r in lm.values()}) == 1 and next(iter(lm.values())).ops > 0
+  assert {p: r.half_share for (_, p), r in lm.items()} == {"float32": 0.0, "mixed_float16": 1.0}
+  matmul = {r.policy: r.half_share for r in rows if r.impl.startswith(("jax.numpy", "jaxamp."))}
+  assert matmul == {"float32": 0.0, "float32 HIGHEST": 0.0, "bfloat16": 1.0, "float16": 1.0,
+                    "mixed_bfloat16": 1.0, "mixed_float16": 1.0}
+  assert "lowered 10 of 10 candidates for cuda" in capsys.readouterr().out
+
+
+def test_benchmark_compile_section():
+  """The first-call cost table: trace, lower, compile and temp bytes of both steps."""
+  bench = _benchmarks()
+  size = dataclasses.replace(bench.run.SIZES["smoke"], compile_layers=(1,), compile_reps=1)
+  section = bench.run._compile_section(size, ["mixed_bfloat16"], None)
+  assert [(c.impl, c.layers) for c in section.results] == [("jaxamp", 1),
+                                                           ("hand-written Flax", 1)]
+  for c in section.results:
+    assert c.error is None and min(c.trace_s + c.lower_s + c.compile_s) > 0
+    assert c.memory["temp"] > 0
+  (row,) = bench.report.compile_table(section, bench.run.COMPILE_LIMITS)[2:]
+  cells = row.strip("| ").split(" | ")
+  amp, hand = section.results
+  assert cells[:2] == ["1", "mixed_bfloat16"]
+  assert cells[4] == f"{amp.median('trace_s') / hand.median('trace_s'):,.2f}"
+  assert cells[-1] == f"{amp.memory['temp'] / hand.memory['temp']:,.3f}"
 
 
 @pytest.mark.parametrize("model", ["lm", "resnet"])

@@ -9,7 +9,8 @@ from flax import linen as nn
 from jax import lax
 
 import jaxamp
-from jaxamp.op_lists import CATEGORIES, DEFAULT_LISTS, HIGHER_ORDER, AutocastLists, ReductionSize
+from jaxamp.op_lists import (BFLOAT16_LISTS, CATEGORIES, DEFAULT_LISTS, HIGHER_ORDER,
+                              AutocastLists, ReductionSize)
 
 
 def _primitives_in(module):
@@ -87,7 +88,9 @@ def test_defaults_follow_the_peers():
   assert DEFAULT_LISTS.category("conv_general_dilated") == "low_precision"
   for name in ("exp", "log", "log1p", "pow", "rsqrt", "erf_inv", "reduce_prod", "cumprod"):
     assert DEFAULT_LISTS.category(name) == "float32", name
-  for name in ("add", "mul", "select_n", "concatenate", "atan2"):
+  for name in ("add", "sub", "mul"):
+    assert DEFAULT_LISTS.category(name) == "follow_compute", name
+  for name in ("add_any", "div", "select_n", "concatenate", "atan2"):
     assert DEFAULT_LISTS.category(name) == "widest", name
   for name in ("tanh", "reshape", "reduce_max", "convert_element_type", "gather"):
     assert DEFAULT_LISTS.category(name) == "passthrough", name
@@ -96,6 +99,10 @@ def test_defaults_follow_the_peers():
   assert DEFAULT_LISTS.category("not_a_primitive") is None
   assert AutocastLists() == DEFAULT_LISTS and hash(AutocastLists()) == hash(DEFAULT_LISTS)
   assert jaxamp.AutocastLists is AutocastLists
+  # bfloat16 has float32's range: powers need no float32 there; the rest is the same.
+  assert {n for n in BFLOAT16_LISTS.names if BFLOAT16_LISTS.category(n)
+          != DEFAULT_LISTS.category(n)} == {"square", "integer_pow"}
+  assert BFLOAT16_LISTS.category("square") == "passthrough"
 
 
 def _eqn(fn, *args):

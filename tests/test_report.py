@@ -200,12 +200,14 @@ def test_float_casts_are_counted_and_int_casts_are_not():
   f = lambda x, w, i: (x.astype(BF16) @ w.astype(BF16)).astype(F32) + i.astype(F32)
   r = jaxamp.precision_report(f, _ones(4, 8), _ones(8, 8), _ones(4, 8, dtype=jnp.int32))
   assert r.casts == 3
+  assert r.cast_bytes == (4 * 8 + 8 * 8) * 2 + 4 * 8 * 4  # x, w to bfloat16; x @ w back
 
 
 def test_casts_inside_a_loop_count_per_iteration():
   f = lambda ws, x: lax.scan(lambda c, w: ((c.astype(BF16) @ w).astype(F32), None), x, ws)[0]
   r = jaxamp.precision_report(f, _ones(5, 8, 8, dtype=BF16), _ones(4, 8))
   assert r.casts == 2 * 5
+  assert r.cast_bytes == 5 * (4 * 8 * 2 + 4 * 8 * 4)
 
 
 # --- residuals --------------------------------------------------------------------------
@@ -355,11 +357,11 @@ module @m {
 
 
 def test_parser_on_a_counting_down_loop_quoted_names_and_locations():
-  ops, casts, unknown = report_lib._parse_module(_TEXT)
+  ops, casts, cast_bytes, unknown = report_lib._parse_module(_TEXT)
   (op,) = ops
   assert (op.multiplicity, op.function, op.flops) == (5, "my fn", 2 * 16 * 8)
   assert (op.lhs_dtype, op.result_dtype) == ("bfloat16", "float32")
-  assert (casts, unknown) == (5, 0)
+  assert (casts, cast_bytes, unknown) == (5, 5 * 4 * 4 * 2, 0)
 
 
 @pytest.mark.parametrize("direction, start, limit, step, trips", [
