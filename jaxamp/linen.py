@@ -74,7 +74,7 @@ from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import path_name, resolve_policy, resolve_tree
+from jaxamp.rules import NORM_CLASSES, is_named_norm, path_name, resolve_policy, resolve_tree
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -268,6 +268,17 @@ def _same_layout(a: Any, b: Any) -> bool:
       getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(a_leaves, b_leaves))
 
 
+def _is_norm(cls: type) -> bool:
+  """A normalization layer: one of Flax's, or a class named like one."""
+  return issubclass(cls, NORM_CLASSES) or is_named_norm(cls)
+
+
+def _widens(tree: Any, compute: Any) -> bool:
+  """Whether ``compute`` is wider than some floating array of ``tree``."""
+  return any(is_floating_array(x) and x.dtype.itemsize < np.dtype(compute).itemsize
+             for x in jax.tree.leaves(tree))
+
+
 def _dtype_fields(module: nn.Module, policy: Policy) -> dict[str, Any]:
   """The ``dtype`` / ``param_dtype`` fields of ``module`` that ``policy`` replaces.
 
@@ -311,6 +322,26 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
   running: list[nn.Module] = []
   mapping: set[Path] = set()  # lifted bodies whose parameters are being cast
 
+  def recomputed(module, context, args, kwargs, compute):
+    # The norm runs under nn.remat with the cast to ``compute`` inside it: reverse mode
+    # keeps the narrower input, not float32 intermediates, and recomputes the norm.
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
+
+    def body(clone, *arrays):
+      full = list(leaves)
+      for i, x in zip(where, arrays):
+        full[i] = x
+      a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
+      return context.orig_method.func(clone, *a, **k)
+
+    path = _module_path(module)
+    mapping.add(path)  # the clone nn.remat runs is already cast
+    try:
+      return nn.remat(body)(module, *(leaves[i] for i in where))
+    finally:
+      mapping.discard(path)
+
   def call(next_fun, module, path, context, args, kwargs):
     if path not in lifted:
       return next_fun(*args, **kwargs)
@@ -344,8 +375,12 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
         if scopes is not None:
           stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
                                                                             len(scopes)))))
-        out = call(next_fun, module, path, context, cast_floating(args, compute),
-                   cast_floating(kwargs, compute))
+        if (path not in lifted and _is_norm(type(module)) and not module.is_initializing()
+            and _widens((args, kwargs), compute)):
+          out = recomputed(module, context, args, kwargs, compute)
+        else:
+          out = call(next_fun, module, path, context, cast_floating(args, compute),
+                     cast_floating(kwargs, compute))
     finally:
       running.pop()
     if (args and _is_lifted_body(module) and type(out) is tuple and out
