@@ -13,6 +13,14 @@ directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
   dtype. Integers (token ids), booleans (masks), PRNG keys and anything not an array
   pass through. Normalization layers compute in float32 and return the surrounding
   compute dtype (the :func:`jaxamp.float32_compute` default rule);
+- a ``dtype`` dataclass field (every Flax layer has one; so do third-party modules
+  that thread ``dtype=self.dtype``, float32 by default, down to their layers) reads the
+  compute dtype while the module runs, and a ``param_dtype`` field the param dtype:
+  the policy, not the model's hard-coded float32, decides. A rule
+  (:func:`jaxamp.set_policy`) is how a module is kept in float32;
+- a normalization layer (Flax's, or a class named like one, see :mod:`jaxamp.rules`)
+  that computes wider than its input runs under ``nn.remat`` with the cast inside, so
+  the backward pass keeps its half-precision input rather than float32 intermediates;
 - mutable collections such as BatchNorm's ``batch_stats`` keep the dtype they had on
   the way in; parameters and other state are never stored in a half dtype unless the
   policy's param dtype says so. The exception is Flax's decoding ``cache`` (attention
@@ -35,6 +43,11 @@ instead of keeping half-precision copies of the parameters alive. For ``nn.scan`
 carry must keep one dtype across iterations, so a lifted body returning a tuple whose
 first element mirrors its first argument (the carry) gives that element back in the
 dtypes the carry came in with.
+
+The first ``apply`` per input signature also traces the forward pass once more
+(``jax.make_jaxpr``, nothing runs) with every module call under a named scope
+(:mod:`jaxamp.census`) and warns once, naming the modules, if a module computing in
+half by policy still runs matmuls in float32 (code that casts to float32 itself).
 
 Policies are resolved when ``apply`` is traced: under ``jax.jit`` the rules and the
 global policy in force at the first trace stay baked into the compiled function.

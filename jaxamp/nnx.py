@@ -37,6 +37,13 @@ Some built-in layers get targeted treatment:
   intermediates and recomputes the norm in the backward pass
   (``with_policy(..., recompute_norms=False)`` turns this off).
 
+Linen modules bridged with ``nnx.bridge.ToNNX`` run through
+:func:`jaxamp.linen.with_policy` under the ``ToNNX`` module's policy (rule paths
+inside them count from the Linen module). The first outermost call per model class,
+policy, method and input shapes traces a copy of the model (``jax.make_jaxpr``) under
+per-module scopes and warns once if a module computing in half by policy still runs
+matmuls in float32 (:mod:`jaxamp.census`).
+
 How: NNX has no method interceptor, so while the wrapper runs, each module instance of
 the graph is given a cached policy-aware subclass of its class (``__call__`` and the
 methods of :data:`POLICY_METHODS` wrapped) and its resolved policy as a static
