@@ -30,6 +30,7 @@ from jaxamp.inference import convert_for_inference
 from jaxamp.summary import Summary, SummaryRow, summary
 from jaxamp.train import MasterWeightsState, TrainState, TrainStep, abstract_state, make_train_step
 from jaxamp.rules import (
+    NAMED_NORMS,
     NORM_CLASSES,
     clear_policies,
     float32_compute,
@@ -55,6 +56,7 @@ __all__ = [
     "policy_scope",
     "precision_report",
     "set_global_policy",
+    "NAMED_NORMS",
     "NORM_CLASSES",
     "clear_policies",
     "float32_compute",

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_floating", "is_floating_array"]
+__all__ = ["cast_floating", "is_floating_array", "is_floating_dtype"]
 
 
 def is_floating_array(x: Any) -> bool:
@@ -29,6 +29,23 @@ def is_floating_array(x: Any) -> bool:
   if not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return False
   return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def is_floating_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` (a dtype, scalar type or name such as ``'float32'``) is floating point.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import is_floating_dtype
+    >>> is_floating_dtype('float32'), is_floating_dtype(jnp.bfloat16), is_floating_dtype(None)
+    (True, True, False)
+  """
+  if dtype is None:
+    return False
+  try:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+  except TypeError:
+    return False
 
 
 def _cast_leaf(x: Any, dtype: np.dtype) -> Any:

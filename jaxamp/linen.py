@@ -13,6 +13,14 @@ directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
   dtype. Integers (token ids), booleans (masks), PRNG keys and anything not an array
   pass through. Normalization layers compute in float32 and return the surrounding
   compute dtype (the :func:`jaxamp.float32_compute` default rule);
+- a ``dtype`` dataclass field (every Flax layer has one; so do third-party modules
+  that thread ``dtype=self.dtype``, float32 by default, down to their layers) reads the
+  compute dtype while the module runs, and a ``param_dtype`` field the param dtype:
+  the policy, not the model's hard-coded float32, decides. A rule
+  (:func:`jaxamp.set_policy`) is how a module is kept in float32;
+- a normalization layer (Flax's, or a class named like one, see :mod:`jaxamp.rules`)
+  that computes wider than its input runs under ``nn.remat`` with the cast inside, so
+  the backward pass keeps its half-precision input rather than float32 intermediates;
 - mutable collections such as BatchNorm's ``batch_stats`` keep the dtype they had on
   the way in; parameters and other state are never stored in a half dtype unless the
   policy's param dtype says so. The exception is Flax's decoding ``cache`` (attention
@@ -36,6 +44,11 @@ carry must keep one dtype across iterations, so a lifted body returning a tuple 
 first element mirrors its first argument (the carry) gives that element back in the
 dtypes the carry came in with.
 
+The first ``apply`` per input signature also traces the forward pass once more
+(``jax.make_jaxpr``, nothing runs) with every module call under a named scope
+(:mod:`jaxamp.census`) and warns once, naming the modules, if a module computing in
+half by policy still runs matmuls in float32 (code that casts to float32 itself).
+
 Policies are resolved when ``apply`` is traced: under ``jax.jit`` the rules and the
 global policy in force at the first trace stay baked into the compiled function.
 
@@ -58,23 +71,29 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+import functools
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import flax.core
 import flax.linen as nn
 import jax
+import numpy as np
 from flax.core.scope import union_filters
 
-from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
+from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
+                           warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import path_name, resolve_policy, resolve_tree
+from jaxamp.rules import NORM_CLASSES, is_named_norm, path_name, resolve_policy, resolve_tree
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
 Path = tuple[str, ...]
 _PLAN_CACHE_SIZE = 64
+_MISSING = object()
 
 
 class _Plan(NamedTuple):
@@ -131,8 +150,8 @@ def _is_array_like(x: Any) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
-  """Evaluates ``fn(*trees)`` abstractly and records the modules that run in it.
+def _abstractly(trace: Callable[..., Any], fn: Callable[..., Any], *trees: Any) -> Any:
+  """``trace`` (``jax.eval_shape``, ``jax.make_jaxpr``) applied to ``fn(*trees)``.
 
   Array leaves (concrete, traced or ``jax.ShapeDtypeStruct``) become abstract
   arguments; every other leaf (flags, method names) stays a static value.
@@ -142,12 +161,23 @@ def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Pla
 
   def run(*dynamic):
     it = iter(dynamic)
-    fn(*jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, arrays)]))
+    return fn(*jax.tree.unflatten(treedef, [next(it) if a else x
+                                            for x, a in zip(leaves, arrays)]))
 
+  return trace(run)(*(x for x, a in zip(leaves, arrays) if a))
+
+
+def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
+  """Evaluates ``fn(*trees)`` abstractly and records the modules that run in it."""
   recorder, plan = _recording(root)
   with nn.intercept_methods(recorder):
-    jax.eval_shape(run, *(x for x, a in zip(leaves, arrays) if a))
+    _abstractly(functools.partial(functools.partial, jax.eval_shape), _arrays_of(fn), *trees)
   return plan()
+
+
+def _arrays_of(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
+  """``fn`` returning only the arrays of its result (tracing needs array outputs)."""
+  return lambda *a: [x for x in jax.tree.leaves(fn(*a)) if _is_array_like(x)]
 
 
 def _apply_plan(module: nn.Module, variables: Any, args: tuple[Any, ...],
@@ -251,16 +281,79 @@ def _same_layout(a: Any, b: Any) -> bool:
       getattr(x, "shape", None) == getattr(y, "shape", None) for x, y in zip(a_leaves, b_leaves))
 
 
-def _casting(policies: dict[Path, Policy], lifted: frozenset[Path]) -> Callable[..., Any]:
+def _is_norm(cls: type) -> bool:
+  """A normalization layer: one of Flax's, or a class named like one."""
+  return issubclass(cls, NORM_CLASSES) or is_named_norm(cls)
+
+
+def _widens(tree: Any, compute: Any) -> bool:
+  """Whether ``compute`` is wider than some floating array of ``tree``."""
+  return any(is_floating_array(x) and x.dtype.itemsize < np.dtype(compute).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _dtype_fields(module: nn.Module, policy: Policy) -> dict[str, Any]:
+  """The ``dtype`` / ``param_dtype`` fields of ``module`` that ``policy`` replaces.
+
+  A field is replaced when the module declares it and holds None or a floating dtype
+  (``'float32'`` strings included) other than the policy's.
+  """
+  declared = getattr(type(module), "__dataclass_fields__", {})
+  out = {}
+  for name, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.param_dtype)):
+    value = vars(module).get(name, _MISSING)
+    if name in declared and (value is None or is_floating_dtype(value)):
+      if value is None or np.dtype(value) != dtype:
+        out[name] = dtype
+  return out
+
+
+@contextlib.contextmanager
+def _fields_set(module: nn.Module, fields: Mapping[str, Any]) -> Iterator[None]:
+  """``module``'s dataclass fields set to ``fields`` for a ``with`` block."""
+  old = {name: vars(module)[name] for name in fields}
+  for name, value in fields.items():
+    object.__setattr__(module, name, value)  # Linen modules are frozen dataclasses
+  try:
+    yield
+  finally:
+    for name, value in old.items():
+      object.__setattr__(module, name, value)
+
+
+def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
+             scopes: dict[Path, int] | None = None) -> Callable[..., Any]:
   """The interceptor applying each module's policy to its arguments and results.
 
   ``policies`` gains an entry for any module the abstract pass did not see. The
   parameters of the bodies of lifted transforms (``lifted``) are cast here, inside the
   transform, rather than before ``apply``: ``nn.remat`` then recomputes the cast in the
-  backward pass instead of keeping a half-precision copy of the parameters.
+  backward pass instead of keeping a half-precision copy of the parameters. With
+  ``scopes`` (filled as modules run), each module call runs under the
+  :func:`jaxamp.census.scope_name` of its number there, for the census.
   """
   running: list[nn.Module] = []
   mapping: set[Path] = set()  # lifted bodies whose parameters are being cast
+
+  def recomputed(module, context, args, kwargs, compute):
+    # The norm runs under nn.remat with the cast to ``compute`` inside it: reverse mode
+    # keeps the narrower input, not float32 intermediates, and recomputes the norm.
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
+
+    def body(clone, *arrays):
+      full = list(leaves)
+      for i, x in zip(where, arrays):
+        full[i] = x
+      a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
+      return context.orig_method.func(clone, *a, **k)
+
+    path = _module_path(module)
+    mapping.add(path)  # the clone nn.remat runs is already cast
+    try:
+      return nn.remat(body)(module, *(leaves[i] for i in where))
+    finally:
+      mapping.discard(path)
 
   def call(next_fun, module, path, context, args, kwargs):
     if path not in lifted:
@@ -290,8 +383,17 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path]) -> Callable[
     compute = policy.compute_dtype
     running.append(module)
     try:
-      out = call(next_fun, module, path, context, cast_floating(args, compute),
-                 cast_floating(kwargs, compute))
+      with contextlib.ExitStack() as stack:
+        stack.enter_context(_fields_set(module, _dtype_fields(module, policy)))
+        if scopes is not None:
+          stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
+                                                                            len(scopes)))))
+        if (path not in lifted and _is_norm(type(module)) and not module.is_initializing()
+            and _widens((args, kwargs), compute)):
+          out = recomputed(module, context, args, kwargs, compute)
+        else:
+          out = call(next_fun, module, path, context, cast_floating(args, compute),
+                     cast_floating(kwargs, compute))
     finally:
       running.pop()
     if (args and _is_lifted_body(module) and type(out) is tuple and out
@@ -362,6 +464,7 @@ class LinenPolicy:
   policy: Policy
   _plans: collections.OrderedDict = dataclasses.field(
       default_factory=collections.OrderedDict, repr=False)
+  _checked: set = dataclasses.field(default_factory=set, repr=False)
 
   def model_policy(self) -> Policy:
     """The model-level policy."""
@@ -405,20 +508,68 @@ class LinenPolicy:
       The output, or ``(output, updated_state)`` when ``mutable`` is set, as Linen
       does. Updated floating state keeps the dtype it was passed in with.
     """
-    plan = self._plan(variables, args, dict(kwargs, rngs=rngs, method=method, mutable=mutable))
+    call_kwargs = dict(kwargs, rngs=rngs, method=method, mutable=mutable)
+    key = _signature(variables, args, call_kwargs)
+    plan = self._plan(key, variables, args, call_kwargs)
+    if key is None or key not in self._checked:
+      self._check(plan, variables, args, call_kwargs)
+      if key is not None:
+        self._checked.add(key)
+    return self._run(plan, variables, args, call_kwargs)
+
+  def _run(self, plan: _Plan, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+           scopes: dict[Path, int] | None = None) -> Any:
+    """``apply`` with its plan; with ``scopes``, each module call under a census scope."""
     policies = resolve_tree(plan.modules, self.model_policy())
     cast = _cast_variables(variables, policies, _compute_dtype, skip=plan.lifted)
-    with nn.intercept_methods(_casting(policies, plan.lifted)):
-      result = self.module.apply(cast, *args, rngs=rngs, method=method, mutable=mutable,
-                                 **kwargs)
+    mutable = kwargs.get("mutable", False)
+    with nn.intercept_methods(_casting(policies, plan.lifted, scopes)):
+      result = self.module.apply(cast, *args, **kwargs)
     if mutable is False:
       return result
     out, state = result
     return out, _restore(state, cast, variables)
 
-  def _plan(self, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
-    """:func:`_apply_plan`, cached per input signature."""
+  def matmul_census(self, variables: Any, *args: Any, **kwargs: Any
+                    ) -> tuple[list[Any], list[str], dict[str, Policy]]:
+    """Which module each matmul of ``apply(variables, *args, **kwargs)`` runs in, and how.
+
+    Nothing is computed: the call is traced abstractly (``jax.make_jaxpr``).
+
+    Returns:
+      ``(ops, modules, policies)``: the :func:`jaxamp.census.module_matmuls` census of
+      the forward pass, the ``'/'``-joined module path of each scope number, and each
+      module's resolved policy by path.
+    """
     key = _signature(variables, args, kwargs)
+    return self._census(self._plan(key, variables, args, kwargs), variables, args, kwargs)
+
+  def _census(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
+    scopes: dict[Path, int] = {}
+    jaxpr = _abstractly(jax.make_jaxpr,
+                        _arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
+                        variables, args, kwargs)
+    names = [path_name(path) for path in sorted(scopes, key=scopes.get)]
+    policies = resolve_tree(plan.modules, self.model_policy())
+    return (module_matmuls(jaxpr), names,
+            {path_name(path): policy for path, policy in policies.items()})
+
+  def _check(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+    """Warns once if a module computing in half by policy leaves matmuls in float32."""
+    policies = resolve_tree(plan.modules, self.model_policy())
+    if all(p.compute_dtype.itemsize >= 4 for p in policies.values()):
+      return  # nothing computes in half: nothing to check
+    ops, names, by_name = self._census(plan, variables, args, kwargs)
+    stray, total = float32_in_half_modules(
+        ops, names, {n: p.compute_dtype for n, p in by_name.items()})
+    warn_float32_matmuls(type(self.module).__name__, self.policy.name, stray, total,
+                         stacklevel=4)
+
+  def _plan(self, key: Hashable | None, variables: Any, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> _Plan:
+    """:func:`_apply_plan`, cached per input signature ``key``."""
     if key is not None and key in self._plans:
       self._plans.move_to_end(key)
       return self._plans[key]

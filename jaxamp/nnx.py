@@ -37,6 +37,13 @@ Some built-in layers get targeted treatment:
   intermediates and recomputes the norm in the backward pass
   (``with_policy(..., recompute_norms=False)`` turns this off).
 
+Linen modules bridged with ``nnx.bridge.ToNNX`` run through
+:func:`jaxamp.linen.with_policy` under the ``ToNNX`` module's policy (rule paths
+inside them count from the Linen module). The first outermost call per model class,
+policy, method and input shapes traces a copy of the model (``jax.make_jaxpr``) under
+per-module scopes and warns once if a module computing in half by policy still runs
+matmuls in float32 (:mod:`jaxamp.census`).
+
 How: NNX has no method interceptor, so while the wrapper runs, each module instance of
 the graph is given a cached policy-aware subclass of its class (``__call__`` and the
 methods of :data:`POLICY_METHODS` wrapped) and its resolved policy as a static
@@ -78,8 +85,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importable)
 
-from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
+from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
+                           warn_float32_matmuls)
 from jaxamp.policy import get_policy, global_policy, Policy, PolicyLike
 from jaxamp.rules import path_name, resolve_policy, resolve_tree
 
@@ -103,10 +113,16 @@ _MISSING = object()
 
 
 class _Call(NamedTuple):
-  """One running wrapper call: its model-level policy and options."""
+  """One running wrapper call: its model-level policy and options.
+
+  ``scopes`` is set for a census run: ``{id(module): scope number}``, filled by
+  :func:`_applied`, with ``names`` the module path of each number.
+  """
 
   policy: Policy
   recompute_norms: bool
+  scopes: dict[int, int] | None = None
+  names: list[str] | None = None
 
 
 class _ThreadState(threading.local):
@@ -359,13 +375,6 @@ def _set_attr(module: Any, name: str, value: Any, undo: list[Callable[[], None]]
   undo.append(lambda: object.__setattr__(module, name, old))
 
 
-def _is_float_dtype(dtype: Any) -> bool:
-  try:
-    return jnp.issubdtype(np.dtype(dtype), jnp.floating)
-  except TypeError:
-    return False
-
-
 # Norms, recomputed in the backward pass when they compute wider than their inputs:
 # reverse mode then keeps their half-precision input, not float32 intermediates.
 _RECOMPUTED = frozenset({nnx.LayerNorm.__call__, nnx.RMSNorm.__call__, nnx.GroupNorm.__call__,
@@ -415,29 +424,73 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   return out
 
 
+class _LinenUnderPolicy(NamedTuple):
+  """What ``nnx.bridge.ToNNX`` calls in place of its Linen module: the module's ``apply``
+  through :func:`jaxamp.linen.with_policy`, so each Linen submodule gets its policy."""
+
+  module: Any
+  wrapper: Any
+
+  def apply(self, *args: Any, **kwargs: Any) -> Any:
+    return self.wrapper.apply(*args, **kwargs)
+
+  def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
+    return self.module.init_with_output(*args, **kwargs)
+
+
+_linen_wrappers: dict[tuple[int, Policy], _LinenUnderPolicy] = {}
+_LINEN_WRAPPERS_SIZE = 64
+
+
+def _linen_under(module: Any, policy: Policy) -> _LinenUnderPolicy:
+  """One cached wrapper per Linen module and policy: it caches what it learns per shape."""
+  from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+  key = (id(module), policy)
+  found = _linen_wrappers.get(key)
+  if found is None or found.module is not module:
+    if len(_linen_wrappers) >= _LINEN_WRAPPERS_SIZE:
+      _linen_wrappers.clear()
+    found = _linen_wrappers[key] = _LinenUnderPolicy(module,
+                                                     amp_linen.with_policy(module, policy))
+  return found
+
+
 def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
   compute = policy.compute_dtype
   undo: list[Callable[[], None]] = []
   gather = fn is nnx.Embed.__call__  # a lookup: keep the table, cast the rows
+  bridged = isinstance(module, nnx.bridge.ToNNX)
   _state.running.add(id(module))
   _state.stack.append(policy)
   try:
     for variable in _owned_variables(module):
       _keep_dtype(variable, undo)
-      if not gather and isinstance(variable, _READ_AS_COMPUTE):
+      # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
+      if not gather and not bridged and isinstance(variable, _READ_AS_COMPUTE):
         _read_as(variable, compute, undo)
+    if bridged:
+      _set_attr(module, "to_nnx__module",
+                _linen_under(vars(module)["to_nnx__module"], policy), undo)
+      # ToNNX turns every other attribute into a Linen collection: hide the policy.
+      if _POLICY_ATTR in vars(module):
+        saved = vars(module).pop(_POLICY_ATTR)
+        undo.append(lambda: object.__setattr__(module, _POLICY_ATTR, saved))
     attrs = vars(module)
-    if "dtype" in attrs and (attrs["dtype"] is None or _is_float_dtype(attrs["dtype"])):
+    if "dtype" in attrs and (attrs["dtype"] is None or is_floating_dtype(attrs["dtype"])):
       # A gather looks rows up in the stored dtype: None makes Embed skip its cast.
       _set_attr(module, "dtype", None if gather else compute, undo)
     if attrs.get("attention_fn") is nnx.dot_product_attention and policy.is_mixed:
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
-    if fn in _RECOMPUTED and _state.calls[-1].recompute_norms and _widens(args, kwargs,
-                                                                           compute):
-      out = _recomputed(module, fn, compute, args, kwargs)
-    else:
-      out = fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
+    scopes = _state.calls[-1].scopes
+    with (jax.named_scope(scope_name(scopes[id(module)]))
+          if scopes is not None and id(module) in scopes else contextlib.nullcontext()):
+      if fn in _RECOMPUTED and _state.calls[-1].recompute_norms and _widens(args, kwargs,
+                                                                             compute):
+        out = _recomputed(module, fn, compute, args, kwargs)
+      else:
+        out = fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
   finally:
     for step in reversed(undo):
       step()
@@ -455,8 +508,11 @@ def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
   saved = []
   pushed = False
   try:
-    for _, node, node_policy in _resolve(model, call.policy):
+    for path, node, node_policy in _resolve(model, call.policy):
       saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING)))
+      if call.scopes is not None and id(node) not in call.scopes:
+        call.scopes[id(node)] = len(call.names)
+        call.names.append(path_name(path))
       # A nested wrapper resolves its own model; containers have no method to wrap.
       if not isinstance(node, PolicyModule) and _methods_for(_base_class(type(node))):
         object.__setattr__(node, "__class__", _policy_class(_base_class(type(node))))
@@ -510,8 +566,32 @@ class PolicyModule(nnx.Module):
     return self.policy
 
   def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    if not _state.calls:  # an outermost call: check that the policy reaches the matmuls
+      _check(self, name, args, kwargs)
+    return self._run(name, args, kwargs, _Call(self._model_policy(), self.recompute_norms))
+
+  def matmul_census(self, *args: Any, method: str = "__call__", **kwargs: Any
+                    ) -> tuple[list[Any], list[str], dict[str, Policy]]:
+    """Which module each matmul of a call runs in, and in which dtypes.
+
+    Nothing is computed and the model is not changed: a copy is traced abstractly
+    (``jax.make_jaxpr``).
+
+    Args:
+      *args: the call's arguments (arrays or ``jax.ShapeDtypeStruct``).
+      method: the method to call.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      ``(ops, modules, policies)``: the :func:`jaxamp.census.module_matmuls` census of
+      the forward pass, the ``'/'``-joined module path of each scope number, and each
+      module's resolved policy by path.
+    """
+    return _census(self, method, args, kwargs)
+
+  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call) -> Any:
     model = self.module
-    with _applied(model, _Call(self._model_policy(), self.recompute_norms)):
+    with _applied(model, call):
       if name in _methods_for(_base_class(type(model))):
         return getattr(model, name)(*args, **kwargs)
       # Another public method: it runs under the model's own policy too.
@@ -606,6 +686,63 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
     dtype(bfloat16)
   """
   return PolicyModule(model, policy, recompute_norms=recompute_norms)
+
+
+# --- did the policy reach the matmuls? ----------------------------------------------------
+
+_checked: set[Any] = set()
+_CHECKED_SIZE = 256
+
+
+def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
+  """The matmul census of ``wrapper``'s ``name`` call, traced on a copy of the model."""
+  graphdef, state = nnx.split(wrapper.module)
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  arrays = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+  call = _Call(wrapper._model_policy(), wrapper.recompute_norms, {}, [])
+
+  def run(state, *dynamic):
+    copy = PolicyModule(nnx.merge(graphdef, state), wrapper.policy,
+                        recompute_norms=wrapper.recompute_norms)
+    it = iter(dynamic)
+    a, k = jax.tree.unflatten(treedef, [next(it) if is_array else x
+                                        for x, is_array in zip(leaves, arrays)])
+    out = copy._run(name, a, k, call)
+    return [x for x in jax.tree.leaves(out) if hasattr(x, "shape") and hasattr(x, "dtype")]
+
+  # The copy's modules are new objects: number them as _applied meets them.
+  jaxpr = jax.make_jaxpr(run)(state, *(x for x, a in zip(leaves, arrays) if a))
+  policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
+  return module_matmuls(jaxpr), call.names, policies
+
+
+def _check(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> None:
+  """Warns once if a module computing in half by policy leaves matmuls in float32.
+
+  Checked once per model class, policy, method and input shapes; skipped when nothing
+  computes in half, or when the call takes graph nodes (``nnx.Rngs``, modules).
+  """
+  policy = wrapper._model_policy()
+  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
+  key = (_base_class(type(wrapper.module)), policy, name,
+         tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
+               for x in leaves))
+  if key in _checked:  # checked first: this runs on every outermost call
+    return
+  if len(_checked) >= _CHECKED_SIZE:
+    _checked.clear()
+  _checked.add(key)
+  if any(_is_node(x) for x in leaves):
+    return
+  if all(p.compute_dtype.itemsize >= 4 for _, _, p in _resolve(wrapper.module, policy)):
+    return
+  ops, names, by_name = _census(wrapper, name, args, kwargs)
+  stray, total = float32_in_half_modules(
+      ops, names, {n: p.compute_dtype for n, p in by_name.items()})
+  warn_float32_matmuls(_base_class(type(wrapper.module)).__name__,
+                       wrapper._model_policy().name, stray, total, stacklevel=5)
 
 
 # --- attention with half-precision operands in both passes ------------------------------

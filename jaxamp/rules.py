@@ -22,6 +22,19 @@ return the surrounding compute dtype (Keras does the same for its norm layers).
 BatchNorm, LayerNorm, RMSNorm and GroupNorm of both Flax APIs have that default;
 override it with the same rules, e.g. ``set_policy(nnx.LayerNorm, 'mixed_bfloat16')``.
 
+Normalization layers that are not Flax's (a model's own ``BatchNorm`` class, written
+from scratch) are found by class name: a class whose name matches
+:data:`NORM_NAME_PATTERN` (``BatchNorm``, ``LayerNorm2d``, ``RMSNormGated``,
+``GroupNormalization``; not ``Normal`` or ``Normalize``) and that no class rule covers
+gets the rule set for the target :data:`NAMED_NORMS`, :func:`float32_compute` by
+default (Flax's norm classes and their subclasses are left to their class rules). ``set_policy(NAMED_NORMS, None)`` turns that detection off,
+``set_policy(MyClass, lambda enclosing: enclosing)`` exempts one class, and
+``set_policy(MyNorm, float32_compute)`` adds a norm whose name does not say so.
+
+Precedence, first match wins: path rules, then the most specific class rule (the
+built-in norm defaults are class rules), then the :data:`NAMED_NORMS` rule for a class
+named like a norm, then the enclosing policy.
+
 Example:
   >>> import jaxamp
   >>> from flax import nnx
@@ -55,11 +68,42 @@ __all__ = [
     "resolve_policy",
     "resolve_tree",
     "NORM_CLASSES",
+    "NORM_NAME_PATTERN",
+    "NAMED_NORMS",
+    "is_named_norm",
     "Rule",
 ]
 
 RuleSpec = Union[PolicyLike, Callable[[Policy], Policy]]
-Target = Union[type, str, "re.Pattern[str]"]
+
+
+class _NamedNorms:
+  """The rule target :data:`NAMED_NORMS`: classes named like a norm that no class rule covers."""
+
+  def __repr__(self) -> str:
+    return "jaxamp.rules.NAMED_NORMS"
+
+
+NAMED_NORMS = _NamedNorms()
+
+Target = Union[type, str, "re.Pattern[str]", _NamedNorms]
+
+# "Norm" not followed by a lowercase letter, or "Normalization": BatchNorm, LayerNorm2d,
+# RMSNormGated, BatchNormAct, LayerNormalization; not Normal, Normalize, Normalizer.
+NORM_NAME_PATTERN: re.Pattern[str] = re.compile(r"Norm(?![a-z])|Normalization")
+
+
+def is_named_norm(cls: type) -> bool:
+  """Whether ``cls``'s name marks it as a normalization layer (:data:`NORM_NAME_PATTERN`).
+
+  Example:
+    >>> from jaxamp.rules import is_named_norm
+    >>> class BatchNorm: pass
+    >>> class Normalize: pass
+    >>> is_named_norm(BatchNorm), is_named_norm(Normalize)
+    (True, False)
+  """
+  return NORM_NAME_PATTERN.search(getattr(cls, "__name__", "")) is not None
 
 
 def float32_compute(enclosing: Policy) -> Policy:
@@ -106,7 +150,9 @@ _lock = threading.Lock()
 
 
 def _defaults() -> dict[Any, Rule]:
-  return {cls: Rule(cls, float32_compute) for cls in NORM_CLASSES}
+  rules = {cls: Rule(cls, float32_compute) for cls in NORM_CLASSES}
+  rules[NAMED_NORMS] = Rule(NAMED_NORMS, float32_compute)
+  return rules
 
 
 # Insertion order matters for path rules (latest wins); dicts keep it. The process-wide
@@ -153,7 +199,7 @@ def _glob_to_regex(pattern: str) -> re.Pattern[str]:
 
 
 def _check_target(target: Any) -> Any:
-  if isinstance(target, type):
+  if isinstance(target, (type, _NamedNorms)):
     return target
   if isinstance(target, str):
     if not target.strip("/"):
@@ -161,8 +207,8 @@ def _check_target(target: Any) -> Any:
     return target.strip("/")
   if isinstance(target, re.Pattern):
     return target
-  raise ValueError(f"A policy rule targets a module class, a glob path pattern (str) or a "
-                   f"compiled regex (re.Pattern); got {target!r} of type {type(target).__name__}.")
+  raise ValueError(f"A policy rule targets a module class, a glob path pattern (str), a "
+                   f"compiled regex (re.Pattern) or jaxamp.rules.NAMED_NORMS; got {target!r} of type {type(target).__name__}.")
 
 
 def _check_spec(spec: Any) -> None:
@@ -176,8 +222,9 @@ def set_policy(target: Target, spec: RuleSpec | None) -> None:
 
   Args:
     target: a module class (covers subclasses; the most specific class wins), a glob
-      over ``'/'``-joined module paths (``'blocks/*/attn'``, ``'**/head'``), or a compiled
-      regex matched with ``fullmatch``.
+      over ``'/'``-joined module paths (``'blocks/*/attn'``, ``'**/head'``), a compiled
+      regex matched with ``fullmatch``, or :data:`NAMED_NORMS` (classes named like a
+      norm that no class rule covers).
     spec: anything :func:`jaxamp.get_policy` accepts, a callable
       ``enclosing_policy -> Policy`` (see :func:`float32_compute`), or None to remove.
 
@@ -256,8 +303,9 @@ def norm_defaults(spec: RuleSpec | None) -> Iterator[None]:
   """Replaces the default norm rule with ``spec`` for a ``with`` block; user rules stay.
 
   Every class of :data:`NORM_CLASSES` whose rule is still the default
-  (:func:`float32_compute`) gets ``spec`` instead (None: no rule, the norm follows the
-  enclosing policy); a rule a user set for a norm class is kept. Opt levels use it.
+  (:func:`float32_compute`), and :data:`NAMED_NORMS` if its rule is, gets ``spec``
+  instead (None: no rule, the norm follows the enclosing policy); a rule a user set for
+  a norm class is kept. Opt levels use it.
 
   Example:
     >>> import jaxamp
@@ -271,8 +319,8 @@ def norm_defaults(spec: RuleSpec | None) -> Iterator[None]:
     'params=float16,compute=float32,output=float16'
   """
   with _editing() as rules:
-    defaults = [cls for cls in NORM_CLASSES
-                if cls in rules and rules[cls].spec is float32_compute]
+    defaults = [target for target in (*NORM_CLASSES, NAMED_NORMS)
+                if target in rules and rules[target].spec is float32_compute]
   with policy_rules({cls: spec for cls in defaults}):
     yield
 
@@ -286,7 +334,7 @@ def _matches(target: Any, path: str) -> bool:
 def _find_rule(cls: type, path: str) -> Rule | None:
   rules = _current()
   path = path.strip("/")
-  path_rules = [r for r in rules if not isinstance(r.target, type)]
+  path_rules = [r for r in rules if isinstance(r.target, (str, re.Pattern))]
   for rule in reversed(path_rules):  # latest wins
     if path and _matches(rule.target, path):
       return rule
@@ -297,6 +345,9 @@ def _find_rule(cls: type, path: str) -> Rule | None:
       rank = mro.index(rule.target)
       if rank < best_rank:
         best, best_rank = rule, rank
+  if best is None and is_named_norm(cls) and not issubclass(cls, NORM_CLASSES):
+    # Flax's norms have class rules of their own; one removed means "follow the model".
+    return next((r for r in rules if r.target is NAMED_NORMS), None)
   return best
 
 

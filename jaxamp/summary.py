@@ -46,6 +46,16 @@ class SummaryRow:
   param_count: int
   stored_bytes: int
   compute_bytes: int
+  matmul_dtypes: str | None = None
+  matmul_flops: int = 0
+
+  @property
+  def runs_as_policy(self) -> bool:
+    """False when the module's own matmuls ran in a dtype other than its compute dtype.
+
+    Only known when the summary traced the model (:func:`summary` with example inputs).
+    """
+    return self.matmul_dtypes in (None, "", self.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +64,16 @@ class Summary:
 
   rows: tuple[SummaryRow, ...]
   policy: str
+
+  @property
+  def checked(self) -> bool:
+    """Whether the matmul column comes from tracing the model (example inputs given)."""
+    return any(r.matmul_dtypes is not None for r in self.rows)
+
+  @property
+  def mismatched(self) -> tuple[str, ...]:
+    """Paths of the modules whose matmuls did not run in their policy's compute dtype."""
+    return tuple(r.path for r in self.rows if not r.runs_as_policy)
 
   @property
   def total_params(self) -> int:
@@ -78,12 +98,15 @@ class Summary:
   def table(self) -> str:
     """The summary as a fixed-width table."""
     header = ("path", "class", "params", "compute", "output", "#params", "stored",
-              "at compute")
+              "at compute", "matmuls ran in")
     body = [((r.path or "(model)"), r.cls, r.param_dtype, r.compute_dtype, r.output_dtype,
-             f"{r.param_count:,}", _bytes(r.stored_bytes), _bytes(r.compute_bytes))
+             f"{r.param_count:,}", _bytes(r.stored_bytes), _bytes(r.compute_bytes),
+             ("not traced" if r.matmul_dtypes is None else
+              (r.matmul_dtypes + ("" if r.runs_as_policy else "  (!)")) if r.matmul_dtypes
+              else "-"))
             for r in self.rows]
     body.append(("total", "", "", "", "", f"{self.total_params:,}",
-                 _bytes(self.total_stored_bytes), _bytes(self.total_compute_bytes)))
+                 _bytes(self.total_stored_bytes), _bytes(self.total_compute_bytes), ""))
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
     numeric = {5, 6, 7}
 
@@ -177,47 +200,82 @@ def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _nnx_plan(model: Any, policy: PolicyLike | None):
+def _nnx_plan(model: Any, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
+              policy: PolicyLike | None):
   from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
 
   module = model.module if isinstance(model, amp_nnx.PolicyModule) else model
   plan = amp_nnx.module_policies(model, policy)
-  return plan, nnx.state(module, nnx.Param)
+  census = None
+  if example_inputs or example_kwargs:
+    wrapper = amp_nnx.with_policy(module, plan[-1][2])  # the root's policy comes last
+    census = wrapper.matmul_census(*example_inputs, **example_kwargs)
+  return plan, nnx.state(module, nnx.Param), census
 
 
-def _linen_plan(model: Any, example_inputs: Sequence[Any], policy: PolicyLike | None):
+def _linen_plan(model: Any, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
+                policy: PolicyLike | None):
   from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
   if isinstance(model, tuple):
     module, variables = model
   else:
     module = model
-    variables = jax.eval_shape(lambda: module.init(jax.random.key(0), *example_inputs))
-  plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy)
-  return plan, variables["params"]
+    init_kwargs = {k: v for k, v in example_kwargs.items() if k != "mutable"}
+    variables = jax.eval_shape(lambda: module.init(jax.random.key(0), *example_inputs,
+                                                   **init_kwargs))
+  plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy,
+                                   **example_kwargs)
+  root = next(p for path, _, p in plan if path == "")
+  census = amp_linen.with_policy(module, root).matmul_census(variables, *example_inputs,
+                                                             **example_kwargs)
+  return plan, variables["params"], census
 
 
-def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None) -> Summary:
+def _matmul_columns(census: Any) -> dict[str, tuple[str, int]]:
+  """``{module path: (operand dtypes of its own matmuls, their FLOPs)}`` from a census."""
+  ops, names, _ = census
+  found: dict[str, tuple[set[str], int]] = {}
+  for op in ops:
+    if op.module is None:
+      continue
+    dtypes, flops = found.setdefault(names[op.module], (set(), 0))
+    dtypes.update((op.lhs_dtype, op.rhs_dtype))
+    found[names[op.module]] = (dtypes, flops + op.flops)
+  return {path: ("+".join(sorted(dtypes)), flops) for path, (dtypes, flops) in found.items()}
+
+
+def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
+            **example_kwargs: Any) -> Summary:
   """One row per module: path, class, param/compute/output dtype, parameters and their bytes.
+
+  With example inputs, the model's forward pass is also traced (abstractly, nothing
+  runs) under the policies, and each row's ``matmul_dtypes`` says which operand dtypes
+  the module's own matmuls and convolutions really had in the program: the policy
+  column says what was asked, this one what runs. A module whose code casts to float32
+  itself shows ``float32`` there and is listed by :attr:`Summary.mismatched`.
 
   Args:
     model: an NNX module (or ``jaxamp.nnx.with_policy`` wrapper); a Linen module (its
       variables are shaped abstractly from ``example_inputs``); or a Linen
       ``(module, variables)`` pair.
-    *example_inputs: inputs to trace a Linen module with (arrays or
-      ``jax.ShapeDtypeStruct``); NNX models need none.
+    *example_inputs: inputs to trace the model with (arrays or
+      ``jax.ShapeDtypeStruct``): required for Linen; for NNX, optional (without them
+      the matmul column reads "not traced").
     policy: the model-level policy; None for the global policy (or the wrapper's).
+    **example_kwargs: keyword arguments of the traced call (``train=False``; for
+      Linen also ``mutable=['batch_stats']``).
 
   Returns:
     A :class:`Summary`; print it for a table, or read ``.rows`` / ``.to_dict()``.
   """
   if isinstance(model, nnx.Module):
-    plan, params = _nnx_plan(model, policy)
+    plan, params, census = _nnx_plan(model, example_inputs, example_kwargs, policy)
   elif isinstance(model, nn.Module) or (isinstance(model, tuple) and len(model) == 2
                                         and isinstance(model[0], nn.Module)):
-    if not example_inputs:
+    if not example_inputs and not example_kwargs:
       raise ValueError("summary of a Linen module needs example inputs to trace it with.")
-    plan, params = _linen_plan(model, example_inputs, policy)
+    plan, params, census = _linen_plan(model, example_inputs, example_kwargs, policy)
   else:
     raise ValueError(f"summary takes an NNX module, a Linen module or a Linen (module, "
                      f"variables) pair; got {type(model).__name__}.")
@@ -225,6 +283,7 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None) 
   for path, cls, p in plan:
     seen.setdefault(path, (cls, p))
   groups = module_params(params, list(seen))
+  matmuls = None if census is None else _matmul_columns(census)
   rows = []
   for path in sorted(seen, key=_tree_order):
     cls, p = seen[path]
@@ -235,7 +294,8 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None) 
                                               if is_floating_array(leaf)
                                               else np.dtype(leaf.dtype).itemsize)
                   for leaf in leaves)
+    ran, flops = (None, 0) if matmuls is None else matmuls.get(path, ("", 0))
     rows.append(SummaryRow(path, cls.__name__, p.param_dtype.name, p.compute_dtype.name,
-                           p.output_dtype.name, count, stored, compute))
+                           p.output_dtype.name, count, stored, compute, ran, flops))
   model_policy = next((p for path, _, p in plan if path == ""), None)
   return Summary(tuple(rows), model_policy.name if model_policy else "")

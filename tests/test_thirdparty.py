@@ -1,0 +1,239 @@
+"""Real third-party Flax models from pip, unmodified, under jaxamp's policies.
+
+Both families hard-code float32 the way published models do: Hugging Face's Flax GPT-2
+(``transformers``) passes ``dtype=self.dtype`` (float32 by default) to every layer and
+casts its kernels with ``jnp.asarray(kernel, self.dtype)``; ``flaxmodels``' ResNet-18
+does the same and brings its own ``BatchNorm`` class (not Flax's). Each runs as Linen
+(``jaxamp.linen.with_policy``) and as NNX (``nnx.bridge.ToNNX``, wrapped by
+``jaxamp.nnx.with_policy``). The packages come with the ``thirdparty`` extra.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import jaxamp
+
+flaxmodels = pytest.importorskip("flaxmodels")
+gpt2 = pytest.importorskip("transformers.models.gpt2.modeling_flax_gpt2")
+transformers = pytest.importorskip("transformers")
+
+LENGTH = 16
+
+
+def gpt2_module():
+  config = transformers.GPT2Config(vocab_size=128, n_positions=LENGTH, n_embd=64, n_layer=2,
+                                   n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+  return gpt2.FlaxGPT2LMHeadModule(config)
+
+
+def gpt2_inputs(ids):
+  return ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
+
+
+def token_ids(batch=4, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 128, (batch, LENGTH), np.int32))
+
+
+def resnet_module():
+  return flaxmodels.ResNet18(pretrained=None, num_classes=10)
+
+
+def images(batch=4, size=32, seed=0):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.standard_normal((batch, size, size, 3), np.float32)),
+          jnp.asarray(rng.integers(0, 10, (batch,), np.int32)))
+
+
+def lm_loss(logits, ids):
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+  return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+
+def xent(logits, labels):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean()
+
+
+@pytest.fixture(scope="module")
+def gpt2_variables():
+  return jax.jit(lambda ids: gpt2_module().init(jax.random.key(0), *gpt2_inputs(ids)))(
+      token_ids())
+
+
+# ResNet-18 is only traced: lowering costs the same at any size, and large images make
+# activations, not the half-precision copies of the weights, what backward keeps.
+BIG_IMAGES = jax.ShapeDtypeStruct((16, 128, 128, 3), jnp.float32)
+SMALL_IMAGES = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def resnet_variables():
+  return jax.eval_shape(lambda x: resnet_module().init(jax.random.key(0), x, train=False),
+                        SMALL_IMAGES)
+
+
+def bridged(module, *args, abstract=False, **kwargs):
+  """The Linen module as an NNX module (Flax's bridge), initialized for ``args``."""
+  make = lambda: nnx.bridge.lazy_init(nnx.bridge.ToNNX(module, rngs=nnx.Rngs(0)), *args,
+                                      **kwargs)
+  return nnx.eval_shape(make) if abstract else make()
+
+
+def nnx_loss(model, policy, loss):
+  """``(loss of (params, state, *args), params, state)`` for an NNX model under ``policy``."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def fn(p, r, *args):
+    # Variables rebuilt at this trace level, so the model may update its RNG counts.
+    m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, r))
+    return loss(m if policy is None else jaxamp.nnx.with_policy(m, policy), *args)
+
+  return fn, params, rest
+
+
+def gpt2_apply_loss(apply, ids):
+  return lm_loss(apply(*gpt2_inputs(ids))[0], ids)
+
+
+def resnet_apply_loss(apply, x):
+  out = apply(x, train=True, mutable=["batch_stats"])
+  return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32).mean()
+
+
+def report(fn, *args):
+  return jaxamp.precision_report(fn, *args, backward=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_half_flops_and_residuals_linen_and_nnx(family, request):
+  if family == "gpt2":
+    module, loss, x = gpt2_module(), gpt2_apply_loss, token_ids()
+    variables = request.getfixturevalue("gpt2_variables")
+    nnx_model = bridged(module, *gpt2_inputs(x), abstract=True)
+  else:
+    module, loss, x = resnet_module(), resnet_apply_loss, BIG_IMAGES
+    variables = request.getfixturevalue("resnet_variables")
+    nnx_model = bridged(module, jnp.zeros(SMALL_IMAGES.shape), train=False, abstract=True)
+  params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+  def linen_loss(policy):
+    m = module if policy is None else jaxamp.linen.with_policy(module, policy)
+    return lambda p, r, x: loss(lambda *a, **k: m.apply({"params": p, **r}, *a, **k), x)
+
+  f32 = report(linen_loss(None), params, rest, x)
+  assert f32.half_share == 0.0  # the model hard-codes float32
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no float32-matmul warning: the policy reached them
+    linen = report(linen_loss("mixed_bfloat16"), params, rest, x)
+    nnx_report = report(*nnx_loss(nnx_model, "mixed_float16", loss), x)
+  for got, half in ((linen, "bfloat16"), (nnx_report, "float16")):
+    assert got.half_share >= 0.99, str(got)
+    assert {op.lhs_dtype for op in got.ops} == {half}
+    assert got.residual_bytes <= 0.7 * f32.residual_bytes, got.residual_bytes / f32.residual_bytes
+
+
+def test_third_party_batchnorm_is_detected_and_computes_in_float32(resnet_variables):
+  plan = lambda: jaxamp.linen.module_policies(resnet_module(), resnet_variables, SMALL_IMAGES,
+                                              train=False, policy="mixed_bfloat16")
+  norm_cls = flaxmodels.resnet.ops.BatchNorm
+  assert not issubclass(norm_cls, jaxamp.NORM_CLASSES)
+  norms = [p for _, cls, p in plan() if cls is norm_cls]
+  convs = [p for _, cls, p in plan() if cls is nn.Conv]
+  assert len(norms) == len(convs) == 20
+  assert {p.name for p in norms} == {"params=float32,compute=float32,output=bfloat16"}
+  assert {p.compute_dtype.name for p in convs} == {"bfloat16"}
+  # Overridable like any rule: the NAMED_NORMS target, or the class itself.
+  with jaxamp.policy_rules({jaxamp.NAMED_NORMS: None}):
+    assert {p.name for _, cls, p in plan() if cls is norm_cls} == {"mixed_bfloat16"}
+  with jaxamp.policy_rules({norm_cls: "float32"}):
+    assert {p.name for _, cls, p in plan() if cls is norm_cls} == {"float32"}
+
+
+def test_summary_reports_what_runs(resnet_variables):
+  s = jaxamp.summary((resnet_module(), resnet_variables), SMALL_IMAGES, train=False,
+                     policy="mixed_bfloat16")
+  rows = {r.path: r for r in s.rows}
+  assert rows["Conv_0"].matmul_dtypes == "bfloat16" and rows["Conv_0"].runs_as_policy
+  assert rows["BatchNorm_0"].matmul_dtypes == ""  # no matmul of its own
+  assert s.checked and s.mismatched == ()
+  assert "matmuls ran in" in str(s)
+
+
+def train_losses(train, state, batches):
+  losses = []
+  for batch in batches:
+    state, metrics = train.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def test_gpt2_linen_trains_like_float32_and_skips_exactly(gpt2_variables):
+  module = gpt2_module()
+
+  def loss_fn(apply, batch):
+    ids, scale = batch  # scale: 1.0, or inf to overflow the step
+    return gpt2_apply_loss(apply, ids) * scale
+
+  ids = token_ids()
+  runs = {}
+  for policy in ("float32", "mixed_float16"):  # float16: dynamic loss scaling, skips
+    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy, donate=False)
+    state = train.init(module, gpt2_variables, *gpt2_inputs(ids))
+    runs[policy] = (train, *train_losses(train, state, [(ids, jnp.float32(1.0))] * 4))
+  (_, _, ref), (train, state, got) = runs["float32"], runs["mixed_float16"]
+  np.testing.assert_allclose(got[-1], ref[-1], rtol=0.02)
+  assert got[-1] < got[0] - 0.05
+  # An overflowing step changes nothing but the loss scale and the skip count.
+  new, metrics = train.step(state, (ids, jnp.float32(jnp.inf)))
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == float(jaxamp.get_loss_scale(state.opt_state)) / 2
+  kept = lambda s: (s.params, s.model_state, jax.random.key_data(s.rng),
+                    [optax.tree_utils.tree_get(s.opt_state, k) for k in ("count", "mu", "nu")])
+  for a, b in zip(jax.tree.leaves(kept(new)), jax.tree.leaves(kept(state))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gpt2_nnx_trains_like_float32():
+  ids = token_ids()
+  model = bridged(gpt2_module(), *gpt2_inputs(ids))
+
+  def loss_fn(m, ids):
+    return gpt2_apply_loss(m, ids)
+
+  losses = {}
+  for policy in ("float32", "mixed_bfloat16"):
+    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy, donate=False)
+    _, losses[policy] = train_losses(train, train.init(nnx.clone(model)), [ids] * 4)
+  np.testing.assert_allclose(losses["mixed_bfloat16"][-1], losses["float32"][-1], rtol=0.02)
+  assert losses["mixed_bfloat16"][-1] < losses["mixed_bfloat16"][0] - 0.05
+
+
+class HardCast(nn.Module):
+  """A model casting to float32 inside its function: no dtype field jaxamp could set."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], 8))
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def test_function_level_float32_cast_warns_once_naming_the_module():
+  model = jaxamp.linen.with_policy(HardCast(), "mixed_bfloat16")
+  x = jnp.ones((2, 4))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.warns(RuntimeWarning, match=r"100.0% of the matmul FLOPs of HardCast.*"
+                                          r"'\(model\)'.*autocast.*opt_level='O1'"):
+    model.apply(variables, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    model.apply(variables, x)  # once
+  # The answer the warning gives works.
+  fast = jaxamp.autocast(lambda v, x: HardCast().apply(v, x), "mixed_bfloat16")
+  assert jaxamp.precision_report(fast, variables, x).half_share == 1.0
