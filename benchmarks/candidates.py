@@ -73,31 +73,35 @@ def _wanted(impls: Sequence[str], impl: str, label: str) -> bool:
 # --- the transformer LM ---------------------------------------------------------------------
 
 
-def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
+def _jaxamp_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, label: str,
+                batch: Any, items: int) -> Candidate:
+  """An unmodified NNX model (``make_model(dtype=None)``) through ``make_train_step``."""
   policy = _policy_name(label)
-  train = jaxamp.make_train_step(models.lm_loss, lm_optimizer(), policy=policy)
-  state = train.init(models.GPT(cfg, rngs=nnx.Rngs(seed)))
+  train = jaxamp.make_train_step(loss_fn, tx, policy=policy)
+  state = train.init(make_model(dtype=None))
 
   def report() -> jaxamp.PrecisionReport:
     graphdef, params, rest = nnx.split(train.model(state), nnx.Param, ...)
 
     def loss(params, rest, batch):
       model = jaxamp.nnx.with_policy(nnx.merge(graphdef, params, rest), policy)
-      return models.lm_loss(model, batch)
+      return loss_fn(model, batch)
 
     return jaxamp.precision_report(loss, params, rest, batch, backward=True)
 
   return Candidate("jaxamp", label, train.step, state, batch, report, _precision(label),
-                   cfg.tokens, call=train.step)
+                   items, call=train.step)
 
 
-def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
-  model = models.GPT(cfg, dtype=_COMPUTE[label], rngs=nnx.Rngs(seed))
+def _hand_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, label: str,
+              batch: Any, items: int) -> Candidate:
+  """The NNX model with ``dtype`` set by hand on every layer, in a hand-written step."""
+  model = make_model(dtype=_COMPUTE[label])
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx, scaled = _hand_optimizer(lm_optimizer(), label)
+  tx, scaled = _hand_optimizer(tx, label)
 
   def loss(params, rest, batch):
-    return models.lm_loss(nnx.merge(graphdef, params, rest), batch)
+    return loss_fn(nnx.merge(graphdef, params, rest), batch)
 
   def step(state, batch):
     params, opt_state, rest = state
@@ -113,7 +117,17 @@ def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candida
 
   report = lambda: jaxamp.precision_report(loss, params, rest, batch, backward=True)
   return Candidate("hand-written Flax", label, step, (params, tx.init(params), rest), batch,
-                   report, None, cfg.tokens)
+                   report, None, items)
+
+
+def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
+  make = lambda dtype: models.GPT(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  return _jaxamp_nnx(make, models.lm_loss, lm_optimizer(), label, batch, cfg.tokens)
+
+
+def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
+  make = lambda dtype: models.GPT(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  return _hand_nnx(make, models.lm_loss, lm_optimizer(), label, batch, cfg.tokens)
 
 
 def _keras_step(keras: Any, model: Any, optimizer: Any, loss_of: Any):
@@ -170,6 +184,20 @@ def lm_candidates(cfg: models.LMConfig, impls: Sequence[str] = IMPLS,
   build = {"jaxamp": _jaxamp_lm, "hand-written Flax": _hand_lm, "Keras 3": _keras_lm}
   return [build[impl](cfg, label, batch, seed)
           for label in policies for impl in IMPLS if _wanted(impls, impl, label)]
+
+
+# --- the parameter-heavy MLP (overhead only) -------------------------------------------------
+
+
+def mlp_candidates(cfg: models.MLPConfig, impls: Sequence[str] = IMPLS,
+                   policies: Sequence[str] = POLICIES, seed: int = 0) -> list[Candidate]:
+  """jaxamp and hand-written pairs for the MLP (Adam: optimizer work dominates the step)."""
+  batch = models.mlp_batch(cfg, seed)
+  make = lambda dtype: models.MLP(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  build = {"jaxamp": _jaxamp_nnx, "hand-written Flax": _hand_nnx}
+  return [build[impl](make, models.mlp_loss, optax.adam(1e-3), label, batch, cfg.batch)
+          for label in policies for impl in IMPLS if impl in build
+          and _wanted(impls, impl, label)]
 
 
 # --- ResNet -----------------------------------------------------------------------------------

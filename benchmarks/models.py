@@ -62,6 +62,40 @@ class ResNetConfig:
     return f"ResNet-{depth}"
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+  """Sizes of the parameter-heavy MLP (the overhead section's worst case) and its batch."""
+
+  dims: tuple[int, ...]
+  batch: int
+
+
+# --- a parameter-heavy MLP (Flax NNX) --------------------------------------------------
+
+
+class MLP(nnx.Module):
+  """Linear layers with ReLU between them: optimizer work dominates its step."""
+
+  def __init__(self, cfg: MLPConfig, *, dtype: Dtype = None, rngs: nnx.Rngs):
+    self.layers = nnx.List([nnx.Linear(a, b, dtype=dtype, rngs=rngs)
+                            for a, b in zip(cfg.dims, cfg.dims[1:])])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for layer in self.layers[:-1]:
+      x = jax.nn.relu(layer(x))
+    return self.layers[-1](x)
+
+
+def mlp_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+  return cross_entropy(model(batch["x"]), batch["label"])
+
+
+def mlp_batch(cfg: MLPConfig, seed: int = 0) -> dict[str, jax.Array]:
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(kx, (cfg.batch, cfg.dims[0])),
+          "label": jax.random.randint(ky, (cfg.batch,), 0, cfg.dims[-1])}
+
+
 # --- the transformer LM (Flax NNX) -------------------------------------------------------
 
 

@@ -81,6 +81,10 @@ class Size:
   resnet_policies: tuple[str, ...] = candidates.POLICIES
   compile_layers: tuple[int, ...] = (2, 48)
   compile_reps: int = 3
+  # The overhead section's other two models: the parameter-heavy MLP the trials used
+  # (256-1024x3-10, batch 64) and a small ResNet (BatchNorm).
+  mlp: models.MLPConfig = models.MLPConfig((256, 1024, 1024, 1024, 10), 64)
+  overhead_resnet: models.ResNetConfig = models.ResNetConfig((1, 1, 1, 1), 16, 10, 32, 16)
 
 
 SIZES = {
@@ -88,7 +92,9 @@ SIZES = {
     "smoke": Size(lm=models.LMConfig(vocab=64, dim=32, heads=2, layers=1, seq_len=16, batch=4),
                   resnet=models.ResNetConfig((1,), 4, 10, 16, 2), matmul=128,
                   warmup=1, rounds=2, steps=1, overhead_rounds=2, overhead_steps=1,
-                  compile_layers=(1, 2), compile_reps=1),
+                  compile_layers=(1, 2), compile_reps=1,
+                  mlp=models.MLPConfig((16, 32, 4), 4),
+                  overhead_resnet=models.ResNetConfig((1,), 4, 10, 16, 2)),
     # The committed CPU numbers: a few minutes on 2 cores. ResNet-50's depth at a quarter
     # of its width on 64x64 images; float32 HIGHEST is float32 on a CPU, so ResNet skips it.
     "cpu": Size(lm=models.LMConfig(vocab=256, dim=128, heads=4, layers=2, seq_len=128, batch=8),
@@ -147,15 +153,21 @@ def _matmul_section(size: Size, policies, args) -> report.Section:
 def _overhead_section(size: Size, policies, args) -> report.Section:
   cfg = size.lm
   policies = [p for p in policies if p != "float32 HIGHEST"]
+  pair = ("jaxamp", "hand-written Flax")
+  models_ = {  # name -> candidates of one policy
+      "MLP": lambda p: candidates.mlp_candidates(size.mlp, pair, [p]),
+      "LM": lambda p: candidates.lm_candidates(cfg, pair, [p]),
+      size.overhead_resnet.name: lambda p: candidates.resnet_candidates(
+          size.overhead_resnet, pair, [p]),
+  }
   results = []
-  # One policy's pair at a time: only two models are live, so neither pays for the
-  # other policies' memory, and every round times the pair back to back.
-  for policy in policies:
-    results += measure(
-        candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]),
-        warmup=args.warmup, rounds=args.overhead_rounds, steps=args.overhead_steps,
-        aot=False, inspect=False,
-        pairs=True)
+  # One model's policy pair at a time: only two models are live, so neither pays for the
+  # others' memory, and every round times the pair back to back.
+  for name, make in models_.items():
+    for policy in policies:
+      measured = measure(make(policy), warmup=args.warmup, rounds=args.overhead_rounds,
+                         steps=args.overhead_steps, aot=False, inspect=False, pairs=True)
+      results += [dataclasses.replace(m, policy=f"{name} · {m.policy}") for m in measured]
   notes = ["jaxamp's step always checks the gradients for inf/NaN and skips a non-finite "
            "step (bfloat16 and float32 included) and computes the gradient norm for its "
            "metrics; the hand-written steps do that only where float16 needs it."]
@@ -165,9 +177,12 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
     notes.append("The ≤ 1.03 requirement is stated for CPU; this run is on "
                  f"{jax.default_backend()}.")
   return report.Section(
-      "overhead", "Overhead: jaxamp train step vs hand-written (issue 4)",
-      f"The transformer LM of the `lm` section (dim {cfg.dim}, {cfg.layers} layers, batch "
-      f"{cfg.batch} × {cfg.seq_len}); `train.step(state, batch)` against "
+      "overhead", "Overhead: jaxamp train step vs hand-written (issues 4, 12)",
+      f"Three models: an MLP {'-'.join(map(str, size.mlp.dims))} (batch {size.mlp.batch}, "
+      "Adam: the optimizer dominates), the transformer LM of the `lm` section (dim "
+      f"{cfg.dim}, {cfg.layers} layers, batch {cfg.batch} × {cfg.seq_len}, AdamW) and "
+      f"{size.overhead_resnet.name} (BatchNorm, {size.overhead_resnet.image_size}² images, "
+      f"batch {size.overhead_resnet.batch}, SGD); `train.step(state, batch)` against "
       "`jax.jit(hand_step, donate_argnums=0)` with the same optax chain and the model's "
       "`dtype` set by hand; float16 scaling written with `jaxamp.scale_loss`, "
       "`jaxamp.dynamic_loss_scale` and `jaxamp.skip_nonfinite`. Each policy's pair is "

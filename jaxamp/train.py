@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -496,6 +496,28 @@ class TrainStep:
     new_state, metrics = self._step_jit(state, batch)
     self._last_state = new_state
     return new_state, metrics
+
+  def lower(self, state: TrainState, batch: Any, *,
+            platforms: Sequence[str] | None = None) -> Any:
+    """``step`` traced and lowered, never compiled or run: a ``jax.stages.Lowered``.
+
+    ``platforms=('cuda',)`` lowers for a GPU from any machine, CPU included, so the
+    program a GPU would receive can be read (``.as_text()``) without one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      ...                                policy='mixed_bfloat16')
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> text = train.lower(state, jnp.ones((8, 4)), platforms=('cuda',)).as_text()
+      >>> 'bf16' in text and 'dot_general' in text
+      True
+    """
+    if self._step_jit is None:
+      raise RuntimeError("Call train.init(...) before train.lower(...).")
+    traced = self._step_jit.trace(state, batch)
+    return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.

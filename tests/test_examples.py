@@ -173,8 +173,11 @@ def test_benchmark_harness_smoke(tmp_path):
   assert matmul["float16"].half_share == matmul["mixed_float16"].half_share == 1.0
 
   overhead = out["sections"]["overhead"].results
-  assert [(m.impl, m.policy) for m in overhead] == [("jaxamp", "mixed_float16"),
-                                                    ("hand-written Flax", "mixed_float16")]
+  pairs = [(m.impl, m.policy) for m in overhead]
+  models = [p.split(" · ")[0] for _, p in pairs[::2]]
+  assert models[:2] == ["MLP", "LM"] and models[2].startswith("ResNet")  # three models
+  assert pairs == [(impl, f"{model} · mixed_float16") for model in models
+                   for impl in ("jaxamp", "hand-written Flax")]
   assert all(len(m.round_step_s) == 2 for m in overhead)
 
   text = (tmp_path / "RESULTS.md").read_text()
@@ -186,7 +189,7 @@ def test_benchmark_harness_smoke(tmp_path):
   # Every cell measured; the ratio to a float32 run that was not made does not apply.
   assert "n/a" not in cells.values() and cells["× vs float32"] == "—"
   assert cells["half-precision matmul FLOPs %"] == "100.0"
-  assert "Worst ratio" in text and "| mixed_float16 |" in text.split("## Overhead")[1]
+  assert "Worst ratio" in text and "| MLP · mixed_float16 |" in text.split("## Overhead")[1]
   data = json.loads((tmp_path / "results.json").read_text())
   assert data["machine"]["backend"] == jax.default_backend()
   assert data["sections"]["lm"]["results"][0]["half_share"] == 1.0

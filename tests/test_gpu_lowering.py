@@ -87,7 +87,7 @@ def _linen_cnn(policy):
 def cuda_module(train: jaxamp.TrainStep, state, batch) -> str:
   """The StableHLO text of ``train.step`` lowered for CUDA (no GPU needed)."""
   # TrainStep has no public handle on its jitted step yet; see the benchmarks' lower-only mode.
-  lowered = train._step_jit.trace(state, batch).lower(lowering_platforms=("cuda",))
+  lowered = train.lower(state, batch, platforms=("cuda",))
   return report_lib._module_text(lowered)
 
 
