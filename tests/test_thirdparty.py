@@ -237,3 +237,104 @@ def test_function_level_float32_cast_warns_once_naming_the_module():
   # The answer the warning gives works.
   fast = jaxamp.autocast(lambda v, x: HardCast().apply(v, x), "mixed_bfloat16")
   assert jaxamp.precision_report(fast, variables, x).half_share == 1.0
+
+
+@pytest.mark.parametrize("api,policy", [("linen", "mixed_float16"), ("nnx", "mixed_bfloat16")])
+def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
+  # The CNN family with its own BatchNorm, trained a few steps: the loss tracks float32,
+  # and an overflowing step leaves params, BatchNorm statistics, RNG and momentum as
+  # they were. (At batch 16 and 32x32 the runs agree to ~0.3 % for 6 steps.)
+  x, y = images(batch=16, size=32)
+
+  def loss_fn(model, batch):
+    images_, labels, scale = batch  # scale: 1.0, or inf to overflow the step
+    # Linen: the train step's adapter makes batch_stats mutable; Flax's ToNNX bridge needs
+    # to be told.
+    out = model(images_, train=True, mutable=["batch_stats"]) if api == "nnx" else model(
+        images_, train=True)
+    logits = (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean() * scale
+
+  module = resnet_module()
+  if api == "linen":
+    variables = jax.jit(lambda x: module.init(jax.random.key(0), x, train=False))(x[:2])
+  else:
+    model = bridged(module, x[:2], train=False)
+  batch = (x, y, jnp.float32(1.0))
+  runs = {}
+  for p in ("float32", policy):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.01, momentum=0.9), policy=p,
+                                   donate=False)
+    state = (train.init(module, variables, x[:2], train=False) if api == "linen"
+             else train.init(nnx.clone(model)))
+    runs[p] = (train, *train_losses(train, state, [batch] * 6))
+  (_, _, ref), (train, state, got) = runs["float32"], runs[policy]
+  np.testing.assert_allclose(got, ref, rtol=0.02)
+  assert got[-1] < got[0] - 0.3
+  new, metrics = train.step(state, (x, y, jnp.float32(jnp.inf)))
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  kept = lambda s: jax.tree.map(data, (s.params, s.model_state, s.rng,
+                                       optax.tree_utils.tree_get(s.opt_state, "trace")))
+  for a, b in zip(jax.tree.leaves(kept(new)), jax.tree.leaves(kept(state))):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_census_agrees_with_the_lowered_program(gpt2_variables, policy):
+  # summary's matmul column and the float32 warning read a jaxpr census; it must count
+  # what the lowered StableHLO (precision_report) runs: same matmul FLOPs, same half share.
+  from jaxamp.census import module_matmuls
+
+  amp = jaxamp.linen.with_policy(gpt2_module(), policy)
+  ids = token_ids()
+  fwd = lambda v: gpt2_apply_loss(lambda *a: amp.apply(v, *a), ids)
+  ops = module_matmuls(jax.make_jaxpr(fwd)(gpt2_variables))
+  lowered = report(fwd, gpt2_variables)  # forward and backward
+  fwd_only = jaxamp.precision_report(fwd, gpt2_variables)
+  assert sum(op.flops for op in ops) == fwd_only.total_flops
+  assert sum(op.flops for op in ops if op.is_half) == fwd_only.half_flops
+  assert (fwd_only.half_share == 1.0) == (policy != "float32") == (lowered.half_share >= 0.99)
+
+
+class HardCodedNNX(nnx.Module):
+  """An NNX model written like published ones: every layer built with dtype=float32, and a
+  home-made norm class (not Flax's)."""
+
+  class RMSNormGated(nnx.Module):
+    def __init__(self, dim):
+      self.scale = nnx.Param(jnp.ones(dim))
+
+    def __call__(self, x):
+      self.seen = x.dtype  # what the norm computes in
+      return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.scale[...]
+
+  def __init__(self, rngs):
+    f32 = jnp.float32
+    self.embed = nnx.Embed(64, 32, dtype=f32, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(4, 32, dtype=f32, decode=False, rngs=rngs)
+    self.norm = HardCodedNNX.RMSNormGated(32)
+    self.ln = nnx.LayerNorm(32, dtype=f32, rngs=rngs)
+    self.head = nnx.Linear(32, 64, dtype=f32, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    x = x + self.attn(self.norm(x))
+    return self.head(self.ln(x))
+
+
+def test_native_nnx_model_with_hard_coded_float32_runs_in_half():
+  model = HardCodedNNX(nnx.Rngs(0))
+  ids = token_ids(batch=2)[:, :16] % 64
+
+  def loss(m):
+    return lm_loss(m(ids), ids)
+
+  fn, params, rest = nnx_loss(model, None, loss)
+  assert report(fn, params, rest).half_share == 0.0  # float32 as written
+  fn, params, rest = nnx_loss(model, "mixed_bfloat16", loss)
+  got = report(fn, params, rest)
+  assert got.half_share >= 0.99, str(got)
+  jaxamp.nnx.with_policy(model, "mixed_bfloat16")(ids)
+  assert model.norm.seen == jnp.float32  # found by its name: computes in float32
