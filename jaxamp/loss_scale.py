@@ -175,8 +175,8 @@ def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
 # (make_train_step) tells the loss scale and skip_nonfinite the answer, a Python bool:
 # they then skip their own check and selects.
 GRADS_FINITE = "jaxamp_grads_finite"
-# And by which it says it did not multiply the loss by the state's scale (a step whose own
-# loss scale is fixed at 1): the gradients are then not divided.
+# And by which it says the gradients it passes are unscaled already (it divided them, or
+# never multiplied the loss): the loss scale then does not divide them.
 GRADS_UNSCALED = "jaxamp_grads_unscaled"
 
 
@@ -193,8 +193,9 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: _unscale_leaf(g, scale), grads)
 
 
-def unscaled_norm_and_finite(grads: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The global norm of ``unscale(grads, scale)`` and whether all of it is finite.
+def unscaled_norm_and_finite(grads: Any, scale: jax.Array
+                             ) -> tuple[Any, jax.Array, jax.Array]:
+  """``unscale(grads, scale)``, its global norm and whether all of it is finite.
 
   One reduction gives both: a finite sum of squares means every element is finite. Only
   when it is not (an inf or NaN, or squares past the float32 range) does an exact check
@@ -207,7 +208,7 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array) -> tuple[jax.Array, j
   total = functools.reduce(jnp.add, squares, jnp.zeros([], jnp.float32))
   finite = jax.lax.cond(jnp.isfinite(total), lambda: jnp.asarray(True),
                         lambda: all_finite(unscaled))
-  return jnp.sqrt(total), finite
+  return unscaled, jnp.sqrt(total), finite
 
 
 def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
@@ -215,9 +216,10 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
                 max_scale: float) -> optax.GradientTransformation:
   """The shared rule; arguments are already validated Python numbers.
 
-  ``growth_interval=None`` never grows. Gradients are always divided by the scale in
-  the *state*, the one :func:`scale_loss` multiplied by, even a scale this
-  transformation would not have chosen (a state restored from a run with another loss
+  ``growth_interval=None`` never grows. Gradients are divided by the scale in the
+  *state*, the one :func:`scale_loss` multiplied by (unless the caller passes the
+  :data:`GRADS_UNSCALED` extra argument: it divided already, or never multiplied), even
+  a scale this transformation would not have chosen (a state restored from a run with another loss
   scale): scaling and unscaling can never disagree. The next scale is then clamped into
   ``[min_scale, max_scale]``, so such a state takes this transformation's rule from its
   next step on (a fixed scale returns to its value).

@@ -659,7 +659,7 @@ class TrainStep:
     # the update then runs only on a finite step (lax.cond, not a select over every
     # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
     # select keeps old and new copies of everything alive).
-    grad_norm, grads_finite = _ls.unscaled_norm_and_finite(opt_grads, scale)
+    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(opt_grads, scale)
 
     def apply(_):
       opt_state, params = self._update(state, opt_grads, finite=True)
@@ -706,7 +706,7 @@ class TrainStep:
 
   def _update(self, state: TrainState, grads: Any, *, finite: bool) -> tuple[Any, Any]:
     """The optimizer's new state and the new params, told whether ``grads`` are finite."""
-    flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: self._unit_scale}
+    flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: True}  # divided in _step_body
     if self.master_weights:
       master, inner = state.opt_state
       updates, inner = self.optimizer.update(grads, inner, master, **flag)

@@ -750,3 +750,22 @@ def test_loss_fn_misuse_gets_a_clear_error_naming_the_fix():
   with pytest.raises(ValueError, match=r"scalar loss, got shape \(16,\).*mean"):
     step_with(lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
         m(b["x"]), b["y"]))
+
+
+@pytest.mark.parametrize("wrap", ["named_chain", "inject_hyperparams", "skip_nonfinite"])
+def test_wrapped_loss_scales_divide_exactly_once(wrap):
+  # The step divides the gradients itself and tells the loss scale so (an optax extra
+  # argument); every wrapper the placement check allows must pass that on, or the scale
+  # would be divided out twice. Same parameters as a plain chain, bit for bit.
+  ls = lambda: jaxamp.dynamic_loss_scale(initial_scale=2.0**10)
+  tx = {"named_chain": lambda: optax.named_chain(("scale", ls()), ("sgd", optax.sgd(0.1))),
+        "inject_hyperparams": lambda: optax.inject_hyperparams(
+            lambda learning_rate: optax.chain(ls(), optax.sgd(learning_rate)))(
+                learning_rate=0.1),
+        "skip_nonfinite": lambda: jaxamp.skip_nonfinite(optax.chain(ls(), optax.sgd(0.1)))}
+  batch = make_batches(1)[0]
+  states = []
+  for make in (tx[wrap], lambda: optax.chain(ls(), optax.sgd(0.1))):
+    train = jaxamp.make_train_step(loss_fn, make(), policy="float32")
+    states.append(train.step(init(train, "nnx", batchnorm=False), batch)[0])
+  assert_trees_equal(states[0].params, states[1].params)
