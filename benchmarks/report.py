@@ -71,6 +71,8 @@ def _version(package: str) -> str:
 
 
 def _git_revision() -> str:
+  if os.environ.get("JAXAMP_GIT_REVISION"):  # a copy of the tree without .git (benchmarks/gpu.sh)
+    return os.environ["JAXAMP_GIT_REVISION"]
   root = pathlib.Path(__file__).resolve().parent.parent
   try:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
@@ -321,9 +323,26 @@ def write_json(path: pathlib.Path, info: dict[str, Any], sections: Sequence[Sect
                settings: dict[str, Any]) -> None:
   data = {"machine": info, "settings": settings,
           "sections": {s.key: {"title": s.title, "description": s.description,
+                               "throughput_unit": s.throughput_unit, "notes": s.notes,
                                "results": [m.to_dict() for m in s.results]}
                        for s in sections}}
   path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def read_sections(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, Section]]:
+  """The machine and the sections of a ``results.json`` that :func:`write_json` wrote.
+
+  ``run.py --merge`` uses it to re-run some sections and keep the others.
+  """
+  data = json.loads(path.read_text())
+  sections = {}
+  for key, s in data["sections"].items():
+    kind = CompileCost if key == "compile" else Measurement
+    names = {f.name for f in dataclasses.fields(kind)}
+    results = [kind(**{k: v for k, v in r.items() if k in names}) for r in s["results"]]
+    sections[key] = Section(key, s["title"], s["description"], results,
+                            s.get("throughput_unit"), s.get("notes", []))
+  return data["machine"], sections
 
 
 _COLORS = {"jaxamp": "#1f77b4", "hand-written Flax": "#ff7f0e", "Keras 3": "#2ca02c",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import sys
@@ -246,6 +247,21 @@ def _notes(sections: list[report.Section]) -> None:
                        "not time; float32 HIGHEST equals float32.")
 
 
+def _merge(path: pathlib.Path, info: dict[str, Any], sections: list[report.Section],
+           seconds: int) -> tuple[list[report.Section], int]:
+  """``sections`` plus the ones of ``path`` not re-measured, in the harness's order."""
+  old_info, old = report.read_sections(path)
+  if (old_info["device"], old_info["device_count"]) != (info["device"], info["device_count"]):
+    raise SystemExit(f"--merge: {path} was measured on {old_info['device']} × "
+                     f"{old_info['device_count']}, this run is on {info['device']} × "
+                     f"{info['device_count']}; use another --out.")
+  merged = {**old, **{s.key: s for s in sections}}
+  kept = sorted(set(old) - {s.key for s in sections})
+  print(f"--merge: kept {', '.join(kept) or 'nothing'} from {path}")
+  previous = json.loads(path.read_text())["settings"].get("seconds", 0)
+  return [merged[k] for k in SECTIONS if k in merged], seconds + previous
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
@@ -274,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, help="steps per candidate per round")
   parser.add_argument("--overhead-rounds", type=int, help="rounds of the overhead section")
   parser.add_argument("--overhead-steps", type=int, help="steps per round, overhead section")
+  parser.add_argument("--merge", action="store_true",
+                      help="keep the sections of --out/results.json that this run does not "
+                           "measure (they must come from the same machine)")
   parser.add_argument("--lower-only", action="store_true",
                       help="lower every candidate for --platform, compile and run nothing, "
                            "write no files")
@@ -328,11 +347,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       else:
         sections.append(_overhead_section(size, args.policies, args))
   _notes(sections)
+  seconds = round(time.perf_counter() - start)
+  if args.merge and (args.out / "results.json").exists():
+    sections, seconds = _merge(args.out / "results.json", info, sections, seconds)
 
   settings = {"size": args.size, "warmup": args.warmup, "rounds": args.rounds,
               "steps": args.steps, "impls": impls, "policies": args.policies,
               "sizes": dataclasses.asdict(size), "keras": keras_note,
-              "seconds": round(time.perf_counter() - start)}
+              "seconds": seconds}
   args.out.mkdir(parents=True, exist_ok=True)
   chart = "results.png" if report.write_chart(args.out / "results.png", sections, info) else None
   report.write_markdown(args.out / "RESULTS.md", info, sections, settings, chart,
