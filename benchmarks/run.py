@@ -255,8 +255,13 @@ def _merge(path: pathlib.Path, info: dict[str, Any], sections: list[report.Secti
     raise SystemExit(f"--merge: {path} was measured on {old_info['device']} × "
                      f"{old_info['device_count']}, this run is on {info['device']} × "
                      f"{info['device_count']}; use another --out.")
-  merged = {**old, **{s.key: s for s in sections}}
   kept = sorted(set(old) - {s.key for s in sections})
+  for key in kept:
+    note = f"Measured earlier, at git {old_info['git']} on {old_info['date']}, and kept by `--merge`."
+    if old_info["git"] != info["git"] and not any(n.startswith("Measured earlier")
+                                                  for n in old[key].notes):
+      old[key].notes.append(note)
+  merged = {**old, **{s.key: s for s in sections}}
   print(f"--merge: kept {', '.join(kept) or 'nothing'} from {path}")
   previous = json.loads(path.read_text())["settings"].get("seconds", 0)
   return [merged[k] for k in SECTIONS if k in merged], seconds + previous

@@ -31,11 +31,12 @@ Some built-in layers get targeted treatment:
   :func:`half_dot_product_attention`: float32 logits and softmax as in
   ``jax.nn.dot_product_attention``, but without the ``F16_F16_F32`` dot algorithm XLA
   on CPU rejects, and with half-precision operands in the backward matmuls too.
-- ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm`` and ``nnx.BatchNorm`` that
-  compute wider than their inputs (the float32 default inside a half model) run under
-  ``jax.checkpoint``: reverse mode keeps their half-precision input instead of float32
-  intermediates and recomputes the norm in the backward pass
-  (``with_policy(..., recompute_norms=False)`` turns this off).
+- ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm`` and ``nnx.BatchNorm`` compute
+  in float32 by default inside a half model. With ``recompute_norms=True`` those that
+  compute wider than their inputs run under ``jax.checkpoint``: reverse mode keeps their
+  half-precision input instead of float32 intermediates and recomputes the norm in the
+  backward pass. Off by default: it saves activation memory but costs time on a GPU
+  (ResNet-50 step 1.25× with it, 1.03× the hand-set model without; ``benchmarks/gpu``).
 
 Linen modules bridged with ``nnx.bridge.ToNNX`` run through
 :func:`jaxamp.linen.with_policy` under the ``ToNNX`` module's policy (rule paths
@@ -438,21 +439,22 @@ class _LinenUnderPolicy(NamedTuple):
     return self.module.init_with_output(*args, **kwargs)
 
 
-_linen_wrappers: dict[tuple[int, Policy], _LinenUnderPolicy] = {}
+_linen_wrappers: dict[tuple[int, Policy, bool], _LinenUnderPolicy] = {}
 _LINEN_WRAPPERS_SIZE = 64
 
 
-def _linen_under(module: Any, policy: Policy) -> _LinenUnderPolicy:
-  """One cached wrapper per Linen module and policy: it caches what it learns per shape."""
+def _linen_under(module: Any, policy: Policy, recompute_norms: bool) -> _LinenUnderPolicy:
+  """One cached wrapper per Linen module, policy and option: it caches what it learns
+  per shape."""
   from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
-  key = (id(module), policy)
+  key = (id(module), policy, recompute_norms)
   found = _linen_wrappers.get(key)
   if found is None or found.module is not module:
     if len(_linen_wrappers) >= _LINEN_WRAPPERS_SIZE:
       _linen_wrappers.clear()
-    found = _linen_wrappers[key] = _LinenUnderPolicy(module,
-                                                     amp_linen.with_policy(module, policy))
+    found = _linen_wrappers[key] = _LinenUnderPolicy(
+        module, amp_linen.with_policy(module, policy, recompute_norms=recompute_norms))
   return found
 
 
@@ -472,7 +474,8 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
         _read_as(variable, compute, undo)
     if bridged:
       _set_attr(module, "to_nnx__module",
-                _linen_under(vars(module)["to_nnx__module"], policy), undo)
+                _linen_under(vars(module)["to_nnx__module"], policy,
+                             _state.calls[-1].recompute_norms), undo)
       # ToNNX turns every other attribute into a Linen collection: hide the policy.
       if _POLICY_ATTR in vars(module):
         saved = vars(module).pop(_POLICY_ATTR)
@@ -547,12 +550,12 @@ class PolicyModule(nnx.Module):
     policy: the model-level policy. Made without one, the wrapper takes
       :func:`jaxamp.global_policy` once, when it is made: later ``set_global_policy``
       calls or scopes do not change it, eager or under ``jax.jit`` alike.
-    recompute_norms: whether LayerNorm, RMSNorm and GroupNorm that compute wider than
-      their inputs are recomputed in the backward pass.
+    recompute_norms: whether norms that compute wider than their inputs are recomputed
+      in the backward pass (off by default).
   """
 
   def __init__(self, module: nnx.Module, policy: PolicyLike | None = None, *,
-               recompute_norms: bool = True):
+               recompute_norms: bool = False):
     if not isinstance(module, nnx.Module):
       raise TypeError(f"with_policy expects a flax.nnx.Module, got {type(module).__name__}; "
                       "for Linen modules use jaxamp.linen.with_policy.")
@@ -658,7 +661,7 @@ class _SubmoduleView:
 
 
 def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
-                recompute_norms: bool = True) -> PolicyModule:
+                recompute_norms: bool = False) -> PolicyModule:
   """Returns ``model`` wrapped to run every submodule under its resolved policy.
 
   Args:
@@ -666,11 +669,12 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
     policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts); None
       takes :func:`jaxamp.global_policy` now, once: the wrapper keeps it whatever
       global policy or scope is in force when it is called (eager or jitted).
-    recompute_norms: recompute ``nnx.LayerNorm``, ``nnx.RMSNorm`` and
-      ``nnx.GroupNorm`` in the backward pass when they compute wider than their inputs
-      (the float32 default inside a half-precision model), so reverse mode keeps their
-      half-precision inputs instead of float32 intermediates. Costs a few elementwise
-      ops, saves activation memory; forward results are the same either way.
+    recompute_norms: recompute norms (``nnx.LayerNorm``, ``nnx.RMSNorm``,
+      ``nnx.GroupNorm``, ``nnx.BatchNorm``) in the backward pass when they compute wider
+      than their inputs (the float32 default inside a half-precision model), so reverse
+      mode keeps their half-precision inputs instead of float32 intermediates. Saves
+      activation memory, costs time: off by default. Forward results are the same
+      either way.
 
   Returns:
     A :class:`PolicyModule` sharing ``model``'s Variables: call it instead of ``model``.

@@ -231,6 +231,8 @@ class _NNXAdapter:
   def split(model: nnx.Module) -> tuple[Any, Any, Any]:
     return nnx.split(model, nnx.Param, ...)
 
+  recompute_norms: bool = False
+
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
     del rng  # NNX models carry their RNG streams in model_state
     from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
@@ -241,7 +243,7 @@ class _NNXAdapter:
     model = nnx.merge(self.graphdef, params, model_state)
     if not train:
       model.eval()
-    wrapped = amp_nnx.with_policy(model, policy)
+    wrapped = amp_nnx.with_policy(model, policy, recompute_norms=self.recompute_norms)
     view = _Float32Outputs(wrapped) if float32_outputs else wrapped
     return view, lambda: nnx.split(model, nnx.Param, ...)[2]
 
@@ -252,6 +254,7 @@ class _NNXAdapter:
 @dataclasses.dataclass
 class _LinenAdapter:
   module: Any
+  recompute_norms: bool = False
   _wrapped: Any = None
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
@@ -260,7 +263,8 @@ class _LinenAdapter:
     # One wrapper, so its plan cache serves every trace (step and eval); the step binds
     # with its one policy.
     if self._wrapped is None or self._wrapped.policy != policy:
-      self._wrapped = amp_linen.with_policy(self.module, policy)
+      self._wrapped = amp_linen.with_policy(self.module, policy,
+                                            recompute_norms=self.recompute_norms)
     wrapped = self._wrapped
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False
@@ -318,7 +322,8 @@ class TrainStep:
                policy: Policy, has_aux: bool, grad_accum_steps: int, mesh: Any,
                batch_axis: str, donate: bool, grad_reduce_dtype: Any,
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
-               eval_fn: Callable[..., Any] | None, seed: int, level: Any = None):
+               eval_fn: Callable[..., Any] | None, seed: int, level: Any = None,
+               recompute_norms: bool = False):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
     if mesh is not None and batch_axis not in mesh.axis_names:
@@ -328,6 +333,7 @@ class TrainStep:
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
     self.policy = policy
+    self.recompute_norms = bool(recompute_norms)
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn if eval_fn is not None else loss_fn
     self.has_aux = has_aux
@@ -392,6 +398,7 @@ class TrainStep:
             f"init got a model wrapped with policy {model.policy.name!r}, but this train "
             f"step's policy is {self.policy.name!r}. Pass the unwrapped model (the train "
             "step applies its own policy), or make the step with the same policy.")
+      self.recompute_norms = self.recompute_norms or model.recompute_norms
       model = model.module
     with self._level_rules():
       if isinstance(model, nnx.Module):
@@ -400,7 +407,7 @@ class TrainStep:
                            "model.")
         plan = amp_nnx.module_policies(model, self.policy)
         graphdef, params, model_state = _NNXAdapter.split(model)
-        self._adapter = _NNXAdapter(graphdef)
+        self._adapter = _NNXAdapter(graphdef, self.recompute_norms)
       else:
         if variables is None or "params" not in variables:
           raise ValueError("For a Linen module call init(module, variables), where variables "
@@ -409,7 +416,7 @@ class TrainStep:
         if example_args or example_kwargs:
           plan = amp_linen.module_policies(model, None, *example_args, policy=self.policy,
                                            **example_kwargs)
-        self._adapter = _LinenAdapter(model)
+        self._adapter = _LinenAdapter(model, self.recompute_norms)
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
     params = (self.policy.cast_to_param(params) if plan is None
@@ -738,7 +745,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     donate: bool = True, grad_reduce_dtype: Any = jnp.float32,
                     master_weights: bool | None = None, float32_outputs: bool = True,
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
-                    seed: int = 0, opt_level: Any = None) -> TrainStep:
+                    seed: int = 0, opt_level: Any = None,
+                    recompute_norms: bool = False) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -773,6 +781,9 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       ``optimizer`` has none, master weights (unless given), whether norms stay float32,
       and for O1 runs the loss computation through :func:`jaxamp.autocast` with a
       float32 model. Not combinable with ``policy``.
+    recompute_norms: recompute norms that compute wider than their inputs in the
+      backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
+      time. Off by default.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
@@ -796,4 +807,5 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                    grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis,
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,
                    master_weights=master_weights, float32_outputs=float32_outputs,
-                   debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level)
+                   debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level,
+                   recompute_norms=recompute_norms)

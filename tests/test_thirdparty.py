@@ -86,14 +86,14 @@ def bridged(module, *args, abstract=False, **kwargs):
   return nnx.eval_shape(make) if abstract else make()
 
 
-def nnx_loss(model, policy, loss):
+def nnx_loss(model, policy, loss, **options):
   """``(loss of (params, state, *args), params, state)`` for an NNX model under ``policy``."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def fn(p, r, *args):
     # Variables rebuilt at this trace level, so the model may update its RNG counts.
     m = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, r))
-    return loss(m if policy is None else jaxamp.nnx.with_policy(m, policy), *args)
+    return loss(m if policy is None else jaxamp.nnx.with_policy(m, policy, **options), *args)
 
   return fn, params, rest
 
@@ -123,8 +123,8 @@ def test_half_flops_and_residuals_linen_and_nnx(family, request):
     nnx_model = bridged(module, jnp.zeros(SMALL_IMAGES.shape), train=False, abstract=True)
   params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
-  def linen_loss(policy):
-    m = module if policy is None else jaxamp.linen.with_policy(module, policy)
+  def linen_loss(policy, **options):
+    m = module if policy is None else jaxamp.linen.with_policy(module, policy, **options)
     return lambda p, r, x: loss(lambda *a, **k: m.apply({"params": p, **r}, *a, **k), x)
 
   f32 = report(linen_loss(None), params, rest, x)
@@ -133,10 +133,23 @@ def test_half_flops_and_residuals_linen_and_nnx(family, request):
     warnings.simplefilter("error")  # no float32-matmul warning: the policy reached them
     linen = report(linen_loss("mixed_bfloat16"), params, rest, x)
     nnx_report = report(*nnx_loss(nnx_model, "mixed_float16", loss), x)
-  for got, half in ((linen, "bfloat16"), (nnx_report, "float16")):
+    recomputed = report(linen_loss("mixed_bfloat16", recompute_norms=True), params, rest, x)
+    nnx_recomputed = report(*nnx_loss(nnx_model, "mixed_float16", loss, recompute_norms=True),
+                            x)
+  # Residuals as a fraction of float32 (jax 0.10.2): GPT-2 0.46 either way (its norms are
+  # a small part), ResNet-18 0.87 by default (BatchNorm saves float32 intermediates) and
+  # 0.51 when norms are recomputed from their half-precision inputs.
+  default_limit = 0.7 if family == "gpt2" else 0.9
+  for got, half, limit in ((linen, "bfloat16", default_limit),
+                           (nnx_report, "float16", default_limit),
+                           (recomputed, "bfloat16", 0.7), (nnx_recomputed, "float16", 0.7)):
     assert got.half_share >= 0.99, str(got)
     assert {op.lhs_dtype for op in got.ops} == {half}
-    assert got.residual_bytes <= 0.7 * f32.residual_bytes, got.residual_bytes / f32.residual_bytes
+    assert got.residual_bytes <= limit * f32.residual_bytes, (
+        got.residual_bytes / f32.residual_bytes)
+  if family == "resnet":
+    assert recomputed.residual_bytes < linen.residual_bytes
+    assert nnx_recomputed.residual_bytes < nnx_report.residual_bytes
 
 
 def test_third_party_batchnorm_is_detected_and_computes_in_float32(resnet_variables):
