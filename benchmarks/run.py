@@ -257,7 +257,8 @@ def _merge(path: pathlib.Path, info: dict[str, Any], sections: list[report.Secti
                      f"{info['device_count']}; use another --out.")
   kept = sorted(set(old) - {s.key for s in sections})
   for key in kept:
-    note = f"Measured earlier, at git {old_info['git']} on {old_info['date']}, and kept by `--merge`."
+    note = (f"Measured earlier, at git {old_info['git']} on {old_info['date'][:10]}, and kept "
+            "by `--merge`.")
     if old_info["git"] != info["git"] and not any(n.startswith("Measured earlier")
                                                   for n in old[key].notes):
       old[key].notes.append(note)
