@@ -2,6 +2,7 @@
 
 from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
+from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -39,11 +40,15 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import linen, nnx
+from jaxamp import fp8, linen, nnx
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "fp8",
+    "CurrentScaling",
+    "DelayedScaling",
+    "Fp8Meta",
     "linen",
     "nnx",
     "POLICY_NAMES",

@@ -36,6 +36,7 @@ __all__ = ["ModuleMatmul", "module_matmuls", "scope_name", "float32_in_half_modu
            "warn_float32_matmuls", "HALF_DTYPES"]
 
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
+_FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 _SCOPE = "jaxamp_module_"
 _SCOPE_RE = re.compile(re.escape(_SCOPE) + r"(\d+)")
 
@@ -66,8 +67,9 @@ class ModuleMatmul(NamedTuple):
 
   @property
   def is_half(self) -> bool:
-    """Whether both operands are float16 or bfloat16."""
-    return self.lhs_dtype in HALF_DTYPES and self.rhs_dtype in HALF_DTYPES
+    """Whether both operands are float16 or bfloat16 (or 8-bit floats: FP8 matmuls)."""
+    low = HALF_DTYPES | _FP8_DTYPES
+    return self.lhs_dtype in low and self.rhs_dtype in low
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:

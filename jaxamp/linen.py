@@ -84,6 +84,7 @@ import jax
 import numpy as np
 from flax.core.scope import union_filters
 
+from jaxamp import fp8 as fp8_lib
 from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
@@ -387,7 +388,9 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     running.append(module)
     try:
       with contextlib.ExitStack() as stack:
-        stack.enter_context(_fields_set(module, _dtype_fields(module, policy)))
+        stack.enter_context(_fields_set(module, {
+            **_dtype_fields(module, policy),
+            **fp8_lib.linen_fields(module, path, policy)}))  # FP8 matmuls: jaxamp.fp8
         if scopes is not None:
           stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
                                                                             len(scopes)))))

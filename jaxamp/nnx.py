@@ -91,6 +91,7 @@ from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importab
 from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
+from jaxamp import fp8 as fp8_lib
 from jaxamp.policy import get_policy, global_policy, Policy, PolicyLike
 from jaxamp.rules import path_name, resolve_policy, resolve_tree
 
@@ -486,6 +487,9 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
       _set_attr(module, "dtype", None if gather else compute, undo)
     if attrs.get("attention_fn") is nnx.dot_product_attention and policy.is_mixed:
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
+    fp8_dot = fp8_lib.nnx_dot_general(module, policy)  # FP8 matmuls: jaxamp.fp8
+    if fp8_dot is not None:
+      _set_attr(module, "dot_general", fp8_dot, undo)
     scopes = _state.calls[-1].scopes
     with (jax.named_scope(scope_name(scopes[id(module)]))
           if scopes is not None and id(module) in scopes else contextlib.nullcontext()):

@@ -58,7 +58,12 @@ POLICY_NAMES: tuple[str, ...] = (
     "float64",
     "mixed_float16",
     "mixed_bfloat16",
+    "mixed_fp8",
+    "mixed_fp8_current",
 )
+
+# FP8 names: float32 params, bfloat16 compute and output, FP8 matmuls (jaxamp.fp8).
+_FP8_NAMES = {"mixed_fp8": "delayed", "mixed_fp8_current": "current"}
 
 # jmp's dtype tokens (jmp/_src/policy.py), 'half' resolved per backend as jmp does.
 _DTYPE_TOKENS = {
@@ -73,7 +78,7 @@ _DTYPE_TOKENS = {
     "float64": jnp.float64,
 }
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output"}
+         "o": "output", "output": "output", "fp8": "fp8"}
 
 _SUPPORTED = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), _FLOAT32, np.dtype(jnp.float64))
 
@@ -138,8 +143,10 @@ def _to_dtype(value: Any, what: str) -> np.dtype:
   if dtype not in _SUPPORTED:
     raise ValueError(
         f"{what} cannot be {dtype}: policies take float16, bfloat16, float32 or float64. "
-        "8-bit floats need per-tensor scaling, which a policy dtype cannot give; jaxamp "
-        "has no FP8 mode yet.")
+        "8-bit floats need per-tensor scaling, which a policy dtype cannot give: for FP8 "
+        "matmuls use the FP8 mode, get_policy('mixed_fp8') (delayed scaling) or "
+        "'mixed_fp8_current', or Policy(jnp.float32, jnp.bfloat16, fp8=jaxamp.DelayedScaling()); "
+        "parameters stay float32.")
   if dtype == np.dtype(jnp.float64) and not jax.config.jax_enable_x64:
     raise ValueError(f"{what} float64 needs 64-bit JAX, which is off (arrays would silently "
                      "be float32): call jax.config.update('jax_enable_x64', True) first.")
@@ -156,6 +163,10 @@ class Policy:
     param_dtype: dtype parameters are stored in.
     compute_dtype: dtype matmuls and convolutions run in; defaults to ``param_dtype``.
     output_dtype: dtype a module returns; defaults to ``compute_dtype``.
+    fp8: None, or an FP8 recipe (:class:`jaxamp.DelayedScaling`,
+      :class:`jaxamp.CurrentScaling`, ``'delayed'``, ``'current'``): the matmuls of
+      Linear/Dense layers then run in FP8 (:mod:`jaxamp.fp8`), the rest in
+      ``compute_dtype``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -168,14 +179,25 @@ class Policy:
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
+  fp8: Any = None
 
-  def __init__(self, param_dtype: Any, compute_dtype: Any = None, output_dtype: Any = None):
+  def __init__(self, param_dtype: Any, compute_dtype: Any = None, output_dtype: Any = None,
+               fp8: Any = None):
     param = _to_dtype(param_dtype, "param_dtype")
     compute = param if compute_dtype is None else _to_dtype(compute_dtype, "compute_dtype")
     output = compute if output_dtype is None else _to_dtype(output_dtype, "output_dtype")
+    if fp8 is not None:
+      from jaxamp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
+
+      fp8 = fp8_lib.check_recipe(fp8)
+      if compute == np.dtype(jnp.float64):
+        raise ValueError("An FP8 policy cannot compute in float64: FP8 matmuls accumulate in "
+                         "float32. Use compute_dtype bfloat16 (as 'mixed_fp8'), float16 or "
+                         "float32.")
     object.__setattr__(self, "param_dtype", param)
     object.__setattr__(self, "compute_dtype", compute)
     object.__setattr__(self, "output_dtype", output)
+    object.__setattr__(self, "fp8", fp8)
 
   @property
   def name(self) -> str:
@@ -184,6 +206,8 @@ class Policy:
     ``get_policy(p.name) == p`` always holds.
     """
     p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
+    if self.fp8 is not None:
+      return _fp8_name(self)
     if p == c == o:
       return p.name
     if p == _FLOAT32 and c in _HALF and o == c:
@@ -196,9 +220,10 @@ class Policy:
     return self.compute_dtype in _HALF
 
   def __repr__(self) -> str:
+    fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
     return (f"Policy(param_dtype='{self.param_dtype.name}', "
             f"compute_dtype='{self.compute_dtype.name}', "
-            f"output_dtype='{self.output_dtype.name}')")
+            f"output_dtype='{self.output_dtype.name}'{fp8})")
 
   def __str__(self) -> str:
     return self.name
@@ -217,15 +242,19 @@ class Policy:
 
   def with_param_dtype(self, dtype: Any) -> Policy:
     """A copy with ``param_dtype`` replaced."""
-    return Policy(dtype, self.compute_dtype, self.output_dtype)
+    return Policy(dtype, self.compute_dtype, self.output_dtype, self.fp8)
 
   def with_compute_dtype(self, dtype: Any) -> Policy:
     """A copy with ``compute_dtype`` replaced."""
-    return Policy(self.param_dtype, dtype, self.output_dtype)
+    return Policy(self.param_dtype, dtype, self.output_dtype, self.fp8)
 
   def with_output_dtype(self, dtype: Any) -> Policy:
     """A copy with ``output_dtype`` replaced."""
-    return Policy(self.param_dtype, self.compute_dtype, dtype)
+    return Policy(self.param_dtype, self.compute_dtype, dtype, self.fp8)
+
+  def with_fp8(self, recipe: Any) -> Policy:
+    """A copy whose Linear/Dense matmuls run in FP8 under ``recipe`` (None: no FP8)."""
+    return Policy(self.param_dtype, self.compute_dtype, self.output_dtype, recipe)
 
   def to_jmp(self) -> Any:
     """The equivalent ``jmp.Policy``."""
@@ -238,6 +267,21 @@ class Policy:
 
 
 PolicyLike = Union[Policy, str, Any]
+
+
+def _fp8_name(policy: Policy) -> str:
+  from jaxamp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
+
+  recipe = policy.fp8
+  token = ("delayed" if recipe == fp8_lib.DelayedScaling() else
+           "current" if recipe == fp8_lib.CurrentScaling() else repr(recipe))
+  base = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+  if base == (_FLOAT32, np.dtype(jnp.bfloat16), np.dtype(jnp.bfloat16)):
+    for name, kind in _FP8_NAMES.items():
+      if kind == token:
+        return name
+  return (f"params={base[0].name},compute={base[1].name},output={base[2].name},"
+          f"fp8={token}")
 
 
 def _half_dtype() -> Any:
@@ -260,6 +304,8 @@ def _parse_token(token: str, spec: str) -> Any:
 
 def _parse_string(spec: str) -> Policy:
   s = spec.strip()
+  if s in _FP8_NAMES:
+    return Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, _FP8_NAMES[s])
   if s.startswith("mixed_"):
     half = s[len("mixed_"):]
     if half in ("float16", "bfloat16"):
@@ -278,8 +324,15 @@ def _parse_string(spec: str) -> Policy:
     if _KEYS[key] in found:
       raise ValueError(f"Policy {spec!r} sets {_KEYS[key]} twice; give each of params (p), "
                        "compute (c), output (o) at most once.")
+    if _KEYS[key] == "fp8":
+      if value.strip() not in ("delayed", "current"):
+        raise ValueError(f"Unknown FP8 recipe {value.strip()!r} in policy {spec!r}: fp8= "
+                         "takes 'delayed' or 'current'.")
+      found["fp8"] = value.strip()
+      continue
     found[_KEYS[key]] = _parse_token(value, spec)
-  return Policy(found.get("params", jnp.float32), found.get("compute"), found.get("output"))
+  return Policy(found.get("params", jnp.float32), found.get("compute"), found.get("output"),
+                found.get("fp8"))
 
 
 def get_policy(spec: PolicyLike) -> Policy:
@@ -311,7 +364,7 @@ def get_policy(spec: PolicyLike) -> Policy:
     raise _unknown(spec, "Cannot make a policy from None.")
   if isinstance(spec, str):
     return _parse_string(spec)
-  if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):
+  if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):  # jmp
     return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
   if _is_array(spec) or _is_python_type(spec) or isinstance(spec, (int, float, complex)):
     kind = ("an array" if _is_array(spec) else
@@ -341,6 +394,8 @@ def _stack() -> list[Policy]:
 
 def _fast_path_missing(policy: Policy) -> str | None:
   """Why ``policy``'s compute dtype has no fast path on the default backend, or None."""
+  if policy.fp8 is not None:
+    return _fp8_fast_path_missing()
   if not policy.is_mixed:
     return None
   compute = policy.compute_dtype
@@ -363,14 +418,33 @@ def _fast_path_missing(policy: Policy) -> str | None:
   return None
 
 
+def _fp8_fast_path_missing() -> str | None:
+  backend = jax.default_backend()
+  if backend == "gpu":
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+      version = float(cc) if cc is not None else None
+    except ValueError:
+      version = None
+    if version is not None and version < 8.9:
+      return (f"FP8 matmuls need a GPU of compute capability >= 8.9 (Ada, Hopper, "
+              f"Blackwell); this one is {cc}, so XLA upcasts them")
+    return None
+  return (f"XLA on {backend} has no FP8 matmul units (they run upcast, with FP8's rounding "
+          "and scaling, for testing); FP8 speed needs an NVIDIA GPU of compute capability "
+          ">= 8.9")
+
+
 def _warn_if_slow(policy: Policy, stacklevel: int) -> None:
-  key = (jax.default_backend(), policy.compute_dtype.name)
+  key = (jax.default_backend(), policy.compute_dtype.name, policy.fp8 is not None)
   if key in _warned:
     return
   reason = _fast_path_missing(policy)
   if reason is not None:
     _warned.add(key)
-    warnings.warn(f"jaxamp: policy {policy.name!r} computes in {policy.compute_dtype.name}, "
+    what = "runs FP8 matmuls" if policy.fp8 is not None else (
+        f"computes in {policy.compute_dtype.name}")
+    warnings.warn(f"jaxamp: policy {policy.name!r} {what}, "
                   f"but {reason}. It will run correctly, not faster.", RuntimeWarning,
                   stacklevel=stacklevel)
 

@@ -45,6 +45,7 @@ from jax.extend.core import Literal
 __all__ = ["MatmulOp", "PrecisionReport", "precision_report"]
 
 _HALF_DTYPES = frozenset({"float16", "bfloat16"})
+_FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 
 
 class MatmulOp(NamedTuple):
@@ -86,6 +87,11 @@ class MatmulOp(NamedTuple):
     """Whether both operands are float16 or bfloat16."""
     return self.lhs_dtype in _HALF_DTYPES and self.rhs_dtype in _HALF_DTYPES
 
+  @property
+  def is_fp8(self) -> bool:
+    """Whether both operands are 8-bit floats (E4M3, E5M2: an FP8 policy's matmuls)."""
+    return self.lhs_dtype in _FP8_DTYPES and self.rhs_dtype in _FP8_DTYPES
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
@@ -112,6 +118,8 @@ class PrecisionReport:
       is an argument passed through.
     unknown_trip_loops: ``stablehlo.while`` loops whose trip count could not be
       read; the ops inside them are counted once per entry into the loop.
+    fp8_flops: FLOPs of ops whose operands are both 8-bit floats (not in ``half_flops``).
+    fp8_share: ``fp8_flops / total_flops``.
   """
 
   ops: list[MatmulOp]
@@ -125,6 +133,8 @@ class PrecisionReport:
   residual_bytes_with_args: int | None
   residuals: list[tuple[tuple[int, ...], str]] | None
   unknown_trip_loops: int
+  fp8_flops: int = 0
+  fp8_share: float = 0.0
 
   def table(self) -> str:
     """A terminal table: one row per distinct op, then summary lines."""
@@ -148,6 +158,9 @@ class PrecisionReport:
     lines.append(f"half-precision share: {_percent(self.half_flops, self.total_flops)} of "
                  f"{_human(self.total_flops)} matmul FLOPs ({n_ops} ops, {self.casts} casts "
                  f"between float types, {_bytes(self.cast_bytes)})")
+    if self.fp8_flops:
+      lines.append(f"FP8 share: {_percent(self.fp8_flops, self.total_flops)} of the matmul "
+                   "FLOPs have 8-bit float operands")
     if self.unknown_trip_loops:
       lines.append(f"note: {self.unknown_trip_loops} loop(s) with unknown trip count; "
                    "their ops are counted once")
@@ -178,6 +191,8 @@ class PrecisionReport:
         "residuals": None if self.residuals is None else
                      [{"shape": list(s), "dtype": d} for s, d in self.residuals],
         "unknown_trip_loops": self.unknown_trip_loops,
+        "fp8_flops": self.fp8_flops,
+        "fp8_share": self.fp8_share,
     }
 
 
@@ -239,6 +254,7 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
 
   total = sum(op.total_flops for op in ops)
   half = sum(op.total_flops for op in ops if op.is_half)
+  fp8 = sum(op.total_flops for op in ops if op.is_fp8)
   by_dtype: dict[tuple[str, str], int] = {}
   for op in ops:
     key = (op.lhs_dtype, op.rhs_dtype)
@@ -253,7 +269,8 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   return PrecisionReport(
       ops=ops, total_flops=total, half_flops=half, half_share=half / total if total else 0.0,
       flops_by_dtype=by_dtype, casts=casts, cast_bytes=cast_bytes, residual_bytes=saved,
-      residual_bytes_with_args=with_args, residuals=shapes, unknown_trip_loops=unknown_loops)
+      residual_bytes_with_args=with_args, residuals=shapes, unknown_trip_loops=unknown_loops,
+      fp8_flops=fp8, fp8_share=fp8 / total if total else 0.0)
 
 
 def _module_text(lowered: Any) -> str:
@@ -331,7 +348,9 @@ _CONTRACT = re.compile(
     r"(?:\bcontracting_dims\s*=|\blhs_contracting_dimensions\s*=)\s*\[([\d,\s]*)\]")
 _KERNEL_DIMS = re.compile(r"\]\s*x\s*\[([^\]]*)\]")
 _DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-           "i1": "bool", "complex<f32>": "complex64", "complex<f64>": "complex128"}
+           "i1": "bool", "complex<f32>": "complex64", "complex<f64>": "complex128",
+           "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2",
+           "f8E4M3FNUZ": "float8_e4m3fnuz", "f8E5M2FNUZ": "float8_e5m2fnuz"}
 
 
 class _Loop:
@@ -652,7 +671,8 @@ def _matmul(line: str) -> MatmulOp | None:
 
 # --- formatting ---------------------------------------------------------------------------
 
-_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64",
+          "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
 def _short(dtype: str, shape: tuple[int, ...]) -> str:

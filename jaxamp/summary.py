@@ -22,6 +22,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from jaxamp import fp8 as fp8_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.report import _bytes
@@ -35,7 +36,9 @@ class SummaryRow:
   """One module: where it is, what it is, the policy it runs under and its own parameters.
 
   ``param_count`` and the byte figures count only the parameters the module owns
-  directly, not those of its submodules.
+  directly, not those of its submodules. ``fp8`` is True for a module whose matmul runs
+  in FP8 under its policy (:mod:`jaxamp.fp8`); its other operations run in
+  ``compute_dtype``.
   """
 
   path: str
@@ -48,6 +51,7 @@ class SummaryRow:
   compute_bytes: int
   matmul_dtypes: str | None = None
   matmul_flops: int = 0
+  fp8: bool = False
 
   @property
   def runs_as_policy(self) -> bool:
@@ -55,6 +59,8 @@ class SummaryRow:
 
     Only known when the summary traced the model (:func:`summary` with example inputs).
     """
+    if self.fp8:  # the forward pass quantizes both operands to E4M3
+      return self.matmul_dtypes in (None, "", "float8_e4m3fn")
     return self.matmul_dtypes in (None, "", self.compute_dtype)
 
 
@@ -74,6 +80,11 @@ class Summary:
   def mismatched(self) -> tuple[str, ...]:
     """Paths of the modules whose matmuls did not run in their policy's compute dtype."""
     return tuple(r.path for r in self.rows if not r.runs_as_policy)
+
+  @property
+  def fp8_modules(self) -> tuple[str, ...]:
+    """Paths of the modules whose matmuls run in FP8."""
+    return tuple(r.path for r in self.rows if r.fp8)
 
   @property
   def total_params(self) -> int:
@@ -99,7 +110,8 @@ class Summary:
     """The summary as a fixed-width table."""
     header = ("path", "class", "params", "compute", "output", "#params", "stored",
               "at compute", "matmuls ran in")
-    body = [((r.path or "(model)"), r.cls, r.param_dtype, r.compute_dtype, r.output_dtype,
+    body = [((r.path or "(model)"), r.cls, r.param_dtype,
+             ("fp8/" if r.fp8 else "") + r.compute_dtype, r.output_dtype,
              f"{r.param_count:,}", _bytes(r.stored_bytes), _bytes(r.compute_bytes),
              ("not traced" if r.matmul_dtypes is None else
               (r.matmul_dtypes + ("" if r.runs_as_policy else "  (!)")) if r.matmul_dtypes
@@ -296,6 +308,7 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
                   for leaf in leaves)
     ran, flops = (None, 0) if matmuls is None else matmuls.get(path, ("", 0))
     rows.append(SummaryRow(path, cls.__name__, p.param_dtype.name, p.compute_dtype.name,
-                           p.output_dtype.name, count, stored, compute, ran, flops))
+                           p.output_dtype.name, count, stored, compute, ran, flops,
+                           fp8_lib.runs_fp8(cls, p)))
   model_policy = next((p for path, _, p in plan if path == ""), None)
   return Summary(tuple(rows), model_policy.name if model_policy else "")

@@ -54,6 +54,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
@@ -80,6 +81,9 @@ class TrainState(NamedTuple):
       Linen collections.
     rng: a PRNG key, split on each applied (not skipped) step for Linen's ``'dropout'``
       stream (NNX models carry their RNG streams in ``model_state``).
+    fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
+      scales), updated by the step's forward and backward passes, never by the
+      optimizer, and kept as is on a skipped step; None without FP8 modules.
   """
 
   params: Any
@@ -87,6 +91,7 @@ class TrainState(NamedTuple):
   step: jax.Array
   model_state: Any
   rng: jax.Array
+  fp8: Any = None
 
 
 class MasterWeightsState(NamedTuple):
@@ -205,7 +210,8 @@ def _state_mismatch(state: Any, expected: Any) -> str | None:
   if not isinstance(state, TrainState):
     return f"it is a {type(state).__name__}, not a jaxamp.TrainState"
   fields = {"params": "another model", "opt_state": "another optimizer or loss scale",
-            "model_state": "another model", "step": None, "rng": None}
+            "model_state": "another model", "step": None, "rng": None,
+            "fp8": "another model or FP8 policy"}
   for field, cause in fields.items():
     got, want = getattr(state, field), getattr(expected, field)
     if jax.tree.structure(got) != jax.tree.structure(want):
@@ -241,6 +247,7 @@ class _NNXAdapter:
     # trace level, so the model may update BatchNorm statistics and RNG counts under grad.
     params, model_state = jax.tree.map(lambda x: x, (params, model_state))
     model = nnx.merge(self.graphdef, params, model_state)
+    fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
     if not train:
       model.eval()
     wrapped = amp_nnx.with_policy(model, policy, recompute_norms=self.recompute_norms)
@@ -356,6 +363,7 @@ class TrainStep:
     self._user_optimizer = optimizer
     self.optimizer: optax.GradientTransformation | None = None
     self._adapter: Any = None
+    self._fp8_recipes: dict[str, Any] = {}
     self._step_jit: Any = None
     self._eval_jit: Any = None
     self._unit_scale = False  # the step inserted no_loss_scale(): no multiply, no divide
@@ -417,6 +425,10 @@ class TrainStep:
           plan = amp_linen.module_policies(model, None, *example_args, policy=self.policy,
                                            **example_kwargs)
         self._adapter = _LinenAdapter(model, self.recompute_norms)
+        if plan is None and self.policy.fp8 is not None:
+          raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
+                           "train.init(module, variables, *example_args) finds the Dense "
+                           "layers that keep FP8 state from them.")
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
     params = (self.policy.cast_to_param(params) if plan is None
@@ -434,8 +446,16 @@ class TrainStep:
     opt_state = self.optimizer.init(opt_params)
     if self.master_weights:
       opt_state = MasterWeightsState(opt_params, opt_state)
+    # FP8 amax histories and scales: their own field, out of the optimizer's reach.
+    fp8_state = fp8_lib.init_state(plan) if plan is not None else {}
+    self._fp8_recipes = fp8_lib.recipes_of(plan) if plan is not None else {}
+    if fp8_state and self.mesh is not None:
+      raise NotImplementedError("FP8 policies do not take a mesh yet (the amax histories "
+                                "would need a max across devices); train on one device, or "
+                                "use 'mixed_bfloat16' with the mesh.")
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
-                       model_state=model_state, rng=jax.random.key(self.seed))
+                       model_state=model_state, rng=jax.random.key(self.seed),
+                       fp8=fp8_state or None)
     self._compile()
     if self.mesh is not None:
       state = jax.device_put(state, self._replicated())
@@ -547,20 +567,31 @@ class TrainStep:
 
   # -- the traced bodies --
 
-  def _loss_and_grads(self, params, model_state, batch, rng, scale):
-    """Scaled-loss gradients over micro-batches, accumulated in float32."""
+  def _loss_and_grads(self, params, model_state, batch, rng, scale, fp8=None):
+    """Scaled-loss gradients over micro-batches, accumulated in float32, and the new
+    FP8 state (the cotangent of its histories carries the backward pass's amaxes)."""
+    used: set[str] = set()  # FP8 modules that ran, known once traced
 
-    def scaled_loss(p, ms, mb, key):
-      model, new_state = self._adapter.bind(p, ms, key, self.policy, train=True,
-                                            float32_outputs=self.float32_outputs)
-      loss, aux = _split_loss(self._call_user(self.loss_fn, model, mb), self.has_aux)
+    def scaled_loss(p, f8, ms, mb, key):
+      with fp8_lib.state_scope(f8) as scope:
+        model, new_state = self._adapter.bind(p, ms, key, self.policy, train=True,
+                                              float32_outputs=self.float32_outputs)
+        loss, aux = _split_loss(self._call_user(self.loss_fn, model, mb), self.has_aux)
+        used.update(scope.used if scope is not None else ())
       return loss * scale, (loss, aux, new_state())
 
-    grad_fn = jax.grad(self._autocast(scaled_loss), has_aux=True)
+    raw_grad_fn = jax.grad(self._autocast(scaled_loss), argnums=(0, 1), has_aux=True)
+
+    def grad_fn(p, f8, ms, mb, key):
+      (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
+      if f8:
+        f8 = fp8_lib.merge_state(f8, f8_cot, used, self._fp8_recipes)
+      return g, f8, out
+
     k = self.grad_accum_steps
     if k == 1:
-      grads, (loss, aux, model_state) = grad_fn(params, model_state, batch, rng)
-      return grads, loss, aux, model_state
+      grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
+      return grads, loss, aux, model_state, fp8
 
     def split(x):
       if x.shape[0] % k:
@@ -572,14 +603,14 @@ class TrainStep:
     acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
 
     def body(carry, xs):
-      acc, ms = carry
+      acc, ms, f8 = carry
       mb, i = xs
-      g, (loss, aux, ms) = grad_fn(params, ms, mb, jax.random.fold_in(rng, i))
+      g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, jax.random.fold_in(rng, i))
       acc = jax.tree.map(lambda a, b: a + b.astype(_F32), acc, g)
-      return (acc, ms), (loss, aux)
+      return (acc, ms, f8), (loss, aux)
 
-    (acc, model_state), (losses, auxes) = jax.lax.scan(body, (acc0, model_state),
-                                                       (micro, jnp.arange(k)))
+    (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
+        body, (acc0, model_state, fp8), (micro, jnp.arange(k)))
     # Accumulated in float32. Master weights take them so; otherwise they go on in each
     # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
     # trace).
@@ -587,7 +618,7 @@ class TrainStep:
                          acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
                        else a[-1], auxes)
-    return grads, jnp.mean(losses), aux, model_state
+    return grads, jnp.mean(losses), aux, model_state, fp8
 
   def _reduce(self, grads, loss, aux, model_state):
     axis = self.batch_axis
@@ -602,7 +633,8 @@ class TrainStep:
 
   def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
     if self.mesh is None:
-      return self._loss_and_grads(state.params, state.model_state, batch, rng, scale)
+      return self._loss_and_grads(state.params, state.model_state, batch, rng, scale,
+                                  state.fp8)
     P = jax.sharding.PartitionSpec
     axis = self.batch_axis
 
@@ -613,7 +645,7 @@ class TrainStep:
       # model carries (NNX Rngs), then hand back the shared keys.
       keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
                           model_state)
-      grads, loss, aux, new_state = self._loss_and_grads(params, keys, batch, rng, scale)
+      grads, loss, aux, new_state, _ = self._loss_and_grads(params, keys, batch, rng, scale)
       new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
       return self._reduce(grads, loss, aux, new_state)
 
@@ -625,7 +657,7 @@ class TrainStep:
     # Explicit mesh axes take a reshard; Auto ones a sharding constraint.
     put = jax.reshard if explicit else jax.lax.with_sharding_constraint
     batch = jax.tree.map(lambda x: put(x, data), batch)
-    return sharded(state.params, state.model_state, batch, rng, scale)
+    return (*sharded(state.params, state.model_state, batch, rng, scale), state.fp8)
 
   @staticmethod
   def _call_user(fn: Callable[..., Any], model: Any, batch: Any) -> Any:
@@ -659,7 +691,7 @@ class TrainStep:
     scale = (jnp.ones([], _F32) if self._unit_scale
              else _ls.get_loss_scale(state.opt_state))
     next_rng, step_rng = jax.random.split(state.rng)
-    grads, loss, aux, model_state = self._grads(state, batch, scale, step_rng)
+    grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
     # What the optimizer receives: float32 for master weights, else each param's dtype.
     opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
     # One reduction gives the metric and the verdict, exactly the loss scale's own test;
@@ -674,18 +706,19 @@ class TrainStep:
       # would be stored as inf: skip such a step like an overflowing one.
       params_finite = self._params_finite(params)
       if params_finite is None:
-        return params, opt_state, model_state, next_rng, jnp.asarray(True)
+        return params, opt_state, model_state, next_rng, fp8, jnp.asarray(True)
       opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
       keep = lambda new, old: _ls._select_tree(params_finite, new, old)
       return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
-              keep(next_rng, state.rng), params_finite)
+              keep(next_rng, state.rng), keep(fp8, state.fp8), params_finite)
 
     def skip(_):
       # Only the loss scale moves (it backs off); the rest of the update is dead code.
       opt_state, _ = self._update(state, opt_grads, finite=False)
-      return state.params, opt_state, state.model_state, state.rng, jnp.asarray(True)
+      return (state.params, opt_state, state.model_state, state.rng, state.fp8,
+              jnp.asarray(True))
 
-    params, opt_state, model_state, next_rng, params_finite = jax.lax.cond(
+    params, opt_state, model_state, next_rng, fp8, params_finite = jax.lax.cond(
         grads_finite, apply, skip, None)
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
@@ -708,7 +741,7 @@ class TrainStep:
       else:
         metrics["aux"] = aux
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                           model_state=model_state, rng=next_rng)
+                           model_state=model_state, rng=next_rng, fp8=fp8)
     return new_state, metrics
 
   def _update(self, state: TrainState, grads: Any, *, finite: bool) -> tuple[Any, Any]:
@@ -735,7 +768,7 @@ class TrainStep:
                                     float32_outputs=self.float32_outputs)
       return cast_floating(self._call_user(self.eval_fn, model, batch), _F32)
 
-    with self._level_rules():
+    with self._level_rules(), fp8_lib.state_scope(state.fp8):
       return self._autocast(run)(state.params, state.model_state, batch)
 
 

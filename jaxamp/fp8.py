@@ -1,0 +1,450 @@
+"""FP8 matmuls: recipes, their functional state, and the scaled FP8 dot.
+
+An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
+with ``fp8=``) runs the matmuls of ``Linear``/``LinearGeneral`` (attention projections
+included) and Linen ``Dense``/``DenseGeneral`` layers in FP8 and everything else in
+its compute dtype (bfloat16 for the named ones): norms, softmax, attention scores,
+the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
+Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
+output gradient to E5M2 (max 57344), one scale per tensor, products accumulated in
+float32 and returned in the compute dtype.
+
+- :class:`DelayedScaling` (the default; Transformer Engine's and flax's defaults:
+  history of 1024 amaxes, ``'max'`` over it, margin 0): each tensor is quantized with
+  a scale computed from the amaxes of earlier steps, ``scale = FP8_MAX / amax /
+  2**margin`` (kept when that amax is 0 or not finite); this step's amax goes into the
+  history.
+- :class:`CurrentScaling`: each tensor is scaled by its own amax, computed in the step.
+
+State: :class:`Fp8Meta` per FP8 module, an amax history ``[3, L]`` (rows: input,
+kernel, output gradient; newest first) and the three scales. It lives in
+``TrainState.fp8``, not among the parameters: flax keeps it in a parameter collection
+that the optimizer must be told to leave alone and that a skipped step would still
+overwrite. Here the step threads it through the forward pass; the backward pass hands
+the new history out as the cotangent of the history (the only way out of ``jax.grad``
+for the output gradient's amax), the step takes that value as is (no optimizer, no
+unscaling, no finite check), recomputes the scales, and keeps the old state on a step
+it skips. It is a plain pytree, so orbax saves it with the rest of the state.
+
+Outside :func:`jaxamp.make_train_step` (a plain ``jaxamp.nnx.with_policy`` call) there is
+no state to read: FP8 modules then use current scaling.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxamp
+  >>> x = jnp.ones((4, 8)) * 3.0
+  >>> w = jnp.ones((8, 2)) * 0.5
+  >>> y = jaxamp.fp8.scaled_dot_general(x, w, (((1,), (0,)), ((), ())))
+  >>> y.dtype, float(y[0, 0])
+  (dtype('float32'), 12.0)
+  >>> text = jax.jit(lambda x, w: jaxamp.fp8.scaled_dot_general(
+  ...     x, w, (((1,), (0,)), ((), ())))).trace(x, w).lower(
+  ...     lowering_platforms=('cuda',)).as_text()
+  >>> 'f8E4M3FN' in text
+  True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "CurrentScaling",
+    "DelayedScaling",
+    "Fp8Meta",
+    "Fp8Recipe",
+    "init_meta",
+    "scaled_dot_general",
+    "update_scales",
+]
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+_F32 = jnp.float32
+# Rows of an Fp8Meta: what each amax and scale is for.
+INPUT, KERNEL, GRAD = 0, 1, 2
+_MAX = (float(jnp.finfo(E4M3).max), float(jnp.finfo(E4M3).max), float(jnp.finfo(E5M2).max))
+
+_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """Delayed scaling: scales from an amax history of earlier steps.
+
+  Defaults are Transformer Engine's ``DelayedScaling`` and flax ``fp8_ops``'s.
+
+  Args:
+    amax_history_len: how many steps of amaxes are kept (16-32 adapt faster).
+    amax_compute_algo: ``'max'`` over the history, or ``'most_recent'``.
+    margin: scales are divided by ``2**margin`` (headroom against growth).
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.DelayedScaling(amax_history_len=16).amax_compute_algo
+    'max'
+  """
+
+  amax_history_len: int = 1024
+  amax_compute_algo: str = "max"
+  margin: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+      raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}.")
+    if self.amax_compute_algo not in _ALGOS:
+      raise ValueError(f"amax_compute_algo must be one of {_ALGOS}, got "
+                       f"{self.amax_compute_algo!r}.")
+    if not isinstance(self.margin, int) or self.margin < 0:
+      raise ValueError(f"margin must be an int >= 0, got {self.margin!r}.")
+
+  @property
+  def history_len(self) -> int:
+    return self.amax_history_len
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+  """Current (per-step) scaling: each tensor is scaled by its own amax.
+
+  No scale is carried over between steps; the state keeps the last step's amaxes (a
+  history of length 1) so they can be inspected.
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.CurrentScaling().margin
+    0
+  """
+
+  margin: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.margin, int) or self.margin < 0:
+      raise ValueError(f"margin must be an int >= 0, got {self.margin!r}.")
+
+  @property
+  def history_len(self) -> int:
+    return 1
+
+
+Fp8Recipe = Union[DelayedScaling, CurrentScaling]
+
+
+def check_recipe(recipe: Any) -> Fp8Recipe:
+  """``recipe`` if it is one, else a ValueError naming the valid ones."""
+  if recipe == "delayed":
+    return DelayedScaling()
+  if recipe == "current":
+    return CurrentScaling()
+  if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    raise ValueError(f"fp8 must be jaxamp.DelayedScaling(...), jaxamp.CurrentScaling(...), "
+                     f"'delayed' or 'current' (or None for no FP8), got {recipe!r}.")
+  return recipe
+
+
+class Fp8Meta(NamedTuple):
+  """The FP8 state of one module: amax histories and scales.
+
+  Attributes:
+    amax_history: float32 ``[3, L]``: the amaxes of the input, the kernel and the output
+      gradient (rows), the newest in column 0.
+    scale: float32 ``[3]``: what each tensor is multiplied by before the cast to FP8
+      in the next step (delayed scaling); ``FP8_MAX / amax / 2**margin``.
+  """
+
+  amax_history: jax.Array
+  scale: jax.Array
+
+
+def init_meta(recipe: Fp8Recipe) -> Fp8Meta:
+  """A fresh :class:`Fp8Meta`: zero history, unit scales.
+
+  Example:
+    >>> import jaxamp
+    >>> meta = jaxamp.fp8.init_meta(jaxamp.DelayedScaling(amax_history_len=4))
+    >>> meta.amax_history.shape, meta.scale.tolist()
+    ((3, 4), [1.0, 1.0, 1.0])
+  """
+  return Fp8Meta(jnp.zeros((3, recipe.history_len), _F32), jnp.ones((3,), _F32))
+
+
+def update_scales(meta: Fp8Meta, recipe: Fp8Recipe) -> Fp8Meta:
+  """``meta`` with scales recomputed from its history (Transformer Engine's rule).
+
+  ``scale = FP8_MAX / amax / 2**margin`` where ``amax`` is the history's max (or its
+  newest entry, ``'most_recent'``); the old scale stays where that amax is 0 or not
+  finite.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> meta = jaxamp.fp8.Fp8Meta(jnp.array([[2.0], [0.0], [1.0]]), jnp.ones(3))
+    >>> jaxamp.fp8.update_scales(meta, jaxamp.DelayedScaling()).scale.tolist()
+    [224.0, 1.0, 57344.0]
+  """
+  history = meta.amax_history
+  if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max":
+    amax = jnp.max(history, axis=1)
+  else:
+    amax = history[:, 0]
+  fresh = jnp.asarray(_MAX, _F32) / amax / (2.0 ** recipe.margin)
+  ok = jnp.logical_and(amax > 0, jnp.isfinite(amax))
+  return Fp8Meta(history, jnp.where(ok, fresh, meta.scale))
+
+
+def _amax(x: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(x)).astype(_F32)
+
+
+def _current_scale(amax: jax.Array, fp8_max: float, margin: int) -> jax.Array:
+  fresh = fp8_max / amax / (2.0 ** margin)
+  return jnp.where(jnp.logical_and(amax > 0, jnp.isfinite(amax)), fresh, 1.0).astype(_F32)
+
+
+def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+  """``x * scale`` clipped to ``dtype``'s range and cast to ``dtype`` (computed in float32).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> jaxamp.fp8.quantize(jnp.array([1000.0, 0.5]), jaxamp.fp8.E4M3, 1.0).tolist()
+    [448.0, 0.5]
+  """
+  fp8_max = float(jnp.finfo(dtype).max)
+  return jnp.clip(x.astype(_F32) * scale, -fp8_max, fp8_max).astype(dtype)
+
+
+def _dims(dimension_numbers: Any) -> tuple[Any, ...]:
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_dot(lhs, rhs, history, scale, dims, delayed, margin):
+  return _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin):
+  a_lhs, a_rhs = _amax(lhs), _amax(rhs)
+  if delayed:
+    s_lhs, s_rhs = scale[INPUT], scale[KERNEL]
+  else:
+    s_lhs, s_rhs = _current_scale(a_lhs, _MAX[INPUT], margin), _current_scale(
+        a_rhs, _MAX[KERNEL], margin)
+  q_lhs, q_rhs = quantize(lhs, E4M3, s_lhs), quantize(rhs, E4M3, s_rhs)
+  # FP8 operands straight into the dot ("direct" quantization, as flax's
+  # Fp8DirectDotGeneralOp): nothing for XLA to pattern-match and silently miss.
+  out = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=_F32)
+  out = (out / (s_lhs * s_rhs)).astype(lhs.dtype)
+  # Zero-size arrays carry the input dtypes to the backward pass.
+  residuals = (q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs,
+               jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return out, residuals
+
+
+def _fp8_dot_bwd(dims, delayed, margin, residuals, g):
+  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+
+  q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs, lhs_like, rhs_like = residuals
+  a_g = _amax(g)
+  s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
+  q_g = quantize(g, E5M2, s_g)
+  d_lhs = fp8_ops.dot_general_transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
+                                            precision=None, preferred_element_type=_F32)
+  d_rhs = fp8_ops.dot_general_transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
+                                            precision=None, preferred_element_type=_F32)
+  d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_like.dtype)
+  d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_like.dtype)
+  # The new history leaves as the history's "gradient"; the train step takes it as is.
+  new_history = jnp.roll(history, 1, axis=1).at[:, 0].set(jnp.stack([a_lhs, a_rhs, a_g]))
+  return d_lhs, d_rhs, new_history, jnp.zeros_like(scale)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                       precision: Any = None, preferred_element_type: Any = None, *,
+                       meta: Fp8Meta | None = None, recipe: Fp8Recipe | None = None,
+                       **kwargs: Any) -> jax.Array:
+  """``lax.dot_general`` with FP8 operands: E4M3 forward, E5M2 output gradient.
+
+  Products are accumulated in float32 and returned in ``preferred_element_type``, else
+  in ``lhs``'s dtype. ``precision`` is ignored (FP8 has one).
+
+  Args:
+    lhs: the input.
+    rhs: the kernel.
+    dimension_numbers: as for ``lax.dot_general``.
+    precision: ignored.
+    preferred_element_type: the result dtype; None: ``lhs``'s.
+    meta: the module's :class:`Fp8Meta` (delayed scaling reads its scales; under
+      ``jax.grad`` the history's cotangent is the new history). None: current scaling.
+    recipe: :class:`DelayedScaling` or :class:`CurrentScaling`; None: current scaling.
+    **kwargs: ``out_sharding`` (Flax layers pass it; must be None).
+
+  Returns:
+    The product.
+  """
+  del precision
+  if kwargs.get("out_sharding") is not None:
+    raise NotImplementedError("jaxamp's FP8 dot takes no out_sharding; shard its inputs.")
+  unknown = set(kwargs) - {"out_sharding"}
+  if unknown:
+    raise TypeError(f"scaled_dot_general got unexpected arguments {sorted(unknown)}.")
+  recipe = CurrentScaling() if recipe is None else recipe
+  delayed = isinstance(recipe, DelayedScaling) and meta is not None
+  if meta is None:
+    meta = init_meta(CurrentScaling())
+  dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
+  out = _fp8_dot(lhs, rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs,
+                 meta.amax_history, meta.scale, _dims(dimension_numbers), delayed,
+                 recipe.margin)
+  return out.astype(dtype)
+
+
+# --- the state a train step threads through the model ------------------------------------
+
+
+class _Scope:
+  """One traced forward pass: the FP8 state it reads and which modules used it."""
+
+  def __init__(self, state: Mapping[str, Fp8Meta]):
+    self.state = dict(state)
+    self.names: dict[int, str] = {}  # id(NNX module) -> path
+    self.used: set[str] = set()
+
+
+class _Local(threading.local):
+  def __init__(self):
+    super().__init__()
+    self.scopes: list[_Scope] = []
+
+
+_local = _Local()
+
+
+@contextlib.contextmanager
+def state_scope(state: Mapping[str, Fp8Meta] | None) -> Iterator[_Scope | None]:
+  """Makes ``state`` (path -> :class:`Fp8Meta`) what FP8 modules read in this block."""
+  if not state:
+    yield None
+    return
+  scope = _Scope(state)
+  _local.scopes.append(scope)
+  try:
+    yield scope
+  finally:
+    _local.scopes.pop()
+
+
+def name_modules(named: Mapping[int, str]) -> None:
+  """Tells the running scope the path of each NNX module id (its state's key)."""
+  if _local.scopes:
+    _local.scopes[-1].names.update(named)
+
+
+def name_nnx_modules(model: Any, path_name: Callable[[Any], str]) -> None:
+  """Tells the running scope (if any) the path of each module of an NNX ``model``."""
+  if not _local.scopes:
+    return
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  name_modules({id(node): path_name(path) for path, node in nnx.iter_graph(model)
+                if isinstance(node, nnx.Module)})
+
+
+def _dot_for(path: str | None, recipe: Fp8Recipe, once: bool) -> Callable[..., Any]:
+  meta = None
+  if _local.scopes and path is not None:
+    scope = _local.scopes[-1]
+    meta = scope.state.get(path)
+    if meta is not None:
+      if once and path in scope.used:
+        raise ValueError(
+            f"FP8 module {path!r} ran twice in one step; its state holds one history per "
+            "module, and the two backward passes would add their histories. Keep it out "
+            f"of FP8 with jaxamp.set_policy({path!r}, 'mixed_bfloat16').")
+      scope.used.add(path)
+  return functools.partial(scaled_dot_general, meta=meta, recipe=recipe)
+
+
+def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
+                used: set[str], recipes: Mapping[str, Fp8Recipe]) -> dict[str, Fp8Meta]:
+  """The state after a step: new histories of the modules that ran, scales recomputed."""
+  out = {}
+  for path, meta in old.items():
+    if path in used:
+      out[path] = update_scales(Fp8Meta(cotangent[path].amax_history, meta.scale),
+                                recipes[path])
+    else:
+      out[path] = meta
+  return out
+
+
+# --- which modules run in FP8 -------------------------------------------------------------
+
+
+def _nnx_classes() -> tuple[type, ...]:
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return (nnx.Linear, nnx.LinearGeneral)
+
+
+def _linen_classes() -> tuple[type, ...]:
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  return (nn.Dense, nn.DenseGeneral)
+
+
+def runs_fp8(cls: type, policy: Any) -> bool:
+  """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
+  if getattr(policy, "fp8", None) is None:
+    return False
+  return issubclass(cls, _nnx_classes()) or issubclass(cls, _linen_classes())
+
+
+def init_state(plan: Any) -> dict[str, Fp8Meta]:
+  """The FP8 state for ``(path, class, policy)`` rows (``module_policies``' result)."""
+  return {path: init_meta(policy.fp8) for path, cls, policy in plan if runs_fp8(cls, policy)}
+
+
+def recipes_of(plan: Any) -> dict[str, Fp8Recipe]:
+  return {path: policy.fp8 for path, cls, policy in plan if runs_fp8(cls, policy)}
+
+
+def nnx_dot_general(module: Any, policy: Any) -> Callable[..., Any] | None:
+  """The FP8 ``dot_general`` for an NNX module under ``policy``, or None to leave it."""
+  if getattr(policy, "fp8", None) is None or not isinstance(module, _nnx_classes()):
+    return None
+  if vars(module).get("dot_general_cls") is not None:
+    return None  # the user's own dot: theirs to keep
+  path = _local.scopes[-1].names.get(id(module)) if _local.scopes else None
+  return _dot_for(path, policy.fp8, once=True)
+
+
+def linen_fields(module: Any, path: tuple[str, ...], policy: Any) -> dict[str, Any]:
+  """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 layers."""
+  if getattr(policy, "fp8", None) is None or not isinstance(module, _linen_classes()):
+    return {}
+  if module.dot_general_cls is not None or module.dot_general is not None:
+    return {}
+  # Linen's wrapper also traces abstract passes (plan, census) of the same modules in
+  # the step: no "ran twice" check here.
+  return {"dot_general": _dot_for("/".join(path), policy.fp8, once=False)}
+
+
+def fp8_max(dtype: Any) -> float:
+  """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+  return float(np.asarray(jnp.finfo(dtype).max))
