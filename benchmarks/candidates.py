@@ -15,7 +15,10 @@
 
 Policy labels: ``'float32'`` (default matmul precision: TF32 on Ampere and newer GPUs),
 ``'float32 HIGHEST'`` (``jax.default_matmul_precision('highest')``),
-``'mixed_bfloat16'`` and ``'mixed_float16'`` (float32 params, half compute).
+``'mixed_bfloat16'`` and ``'mixed_float16'`` (float32 params, half compute);
+``'mixed_fp8'`` (:mod:`jaxamp.fp8`: FP8 Linear matmuls with delayed scaling, the rest as
+``'mixed_bfloat16'``), jaxamp only, for the LM at ``--size gpu``: its speed needs a GPU
+of compute capability >= 8.9, and it is compared with the ``'mixed_bfloat16'`` rows.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from benchmarks.measure import Candidate
 
 POLICIES = ("float32", "float32 HIGHEST", "mixed_bfloat16", "mixed_float16")
 IMPLS = ("jaxamp", "hand-written Flax", "Keras 3")
+# FP8: jaxamp's candidate only (a hand-written FP8 step is flax's fp8_ops, another design).
+FP8_POLICIES = ("mixed_fp8",)
 MATMUL_POLICIES = ("float32", "float32 HIGHEST", "bfloat16", "float16", "mixed_bfloat16",
                    "mixed_float16")
 
 _COMPUTE = {"float32": None, "float32 HIGHEST": None, "mixed_bfloat16": jnp.bfloat16,
-            "mixed_float16": jnp.float16}
+            "mixed_float16": jnp.float16, "mixed_fp8": jnp.bfloat16}
 
 
 def _policy_name(label: str) -> str:
@@ -67,7 +72,8 @@ def _hand_optimizer(tx: optax.GradientTransformation, label: str
 
 def _wanted(impls: Sequence[str], impl: str, label: str) -> bool:
   # HIGHEST is a property of float32 matmuls, not of who wrote the step: one row does.
-  return impl in impls and (impl == "jaxamp" or not label.endswith("HIGHEST"))
+  return impl in impls and (impl == "jaxamp" or not (label.endswith("HIGHEST")
+                                                     or label in FP8_POLICIES))
 
 
 # --- the transformer LM ---------------------------------------------------------------------

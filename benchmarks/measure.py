@@ -250,6 +250,7 @@ class Lowering:
   ops: int = 0
   half_share: float | None = None
   error: str | None = None
+  fp8_share: float | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -274,7 +275,9 @@ def lower_for(c: Candidate, platform: str) -> Lowering:
     return Lowering(c.impl, c.policy, platform, time.perf_counter() - start, error=_error(e))
   total = sum(op.total_flops for op in ops)
   half = sum(op.total_flops for op in ops if op.is_half)
-  return Lowering(c.impl, c.policy, platform, seconds, len(ops), half / total if total else None)
+  fp8 = sum(op.total_flops for op in ops if op.is_fp8)
+  return Lowering(c.impl, c.policy, platform, seconds, len(ops), half / total if total else None,
+                  fp8_share=fp8 / total if total else None)
 
 
 @dataclasses.dataclass

@@ -109,7 +109,9 @@ def machine() -> dict[str, Any]:
 
 def peak_tflops(device_kind: str, policy: str) -> float | None:
   """The datasheet dense peak for the dtype ``policy`` computes in, or None."""
-  if policy.endswith("bfloat16"):
+  if "fp8" in policy:
+    key = "fp8"  # no datasheet figure listed: no MFU column for it
+  elif policy.endswith("bfloat16"):
     key = "bfloat16"
   elif policy.endswith("float16"):
     key = "float16"

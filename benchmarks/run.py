@@ -80,6 +80,8 @@ class Size:
   overhead_rounds: int
   overhead_steps: int
   resnet_policies: tuple[str, ...] = candidates.POLICIES
+  # Policies the LM section adds for jaxamp (FP8: lowered and measured at --size gpu).
+  lm_extra: tuple[str, ...] = ()
   compile_layers: tuple[int, ...] = (2, 48)
   compile_reps: int = 3
   # The overhead section's other two models: the parameter-heavy MLP the trials used
@@ -107,12 +109,14 @@ SIZES = {
     "gpu": Size(lm=models.LMConfig(vocab=32768, dim=768, heads=12, layers=12, seq_len=1024,
                                    batch=8),
                 resnet=models.ResNetConfig((3, 4, 6, 3), 64, 1000, 224, 256), matmul=8192,
-                warmup=5, rounds=7, steps=5, overhead_rounds=15, overhead_steps=5),
+                warmup=5, rounds=7, steps=5, overhead_rounds=15, overhead_steps=5,
+                lm_extra=candidates.FP8_POLICIES),
 }
 
 
 def _lm_section(size: Size, impls, policies, args) -> report.Section:
   cfg = size.lm
+  policies = [*policies, *(p for p in size.lm_extra if p not in policies)]
   results = measure(candidates.lm_candidates(cfg, impls, policies), warmup=args.warmup,
                     rounds=args.rounds, steps=args.steps)
   return report.Section(
@@ -227,13 +231,16 @@ def _lower_only(size: Size, impls, args) -> list[Lowering]:
     else:
       allowed = size.resnet_policies if key == "resnet" else candidates.POLICIES
       pairs = [(i, p) for p in args.policies if p in allowed for i in impls]
+      if key == "lm":
+        pairs += [(i, p) for p in size.lm_extra for i in impls]
     for impl, policy in pairs:
       for c in build[key](impl, policy):  # one at a time: full-size states are large
         low = lower_for(c, args.platform)
         c.state = None
         rows.append(low)
         half = "n/a" if low.half_share is None else f"{100 * low.half_share:.1f}%"
-        status = f"FAILED: {low.error}" if low.error else f"{low.ops} matmuls, {half} half"
+        fp8 = f", {100 * low.fp8_share:.1f}% FP8" if low.fp8_share else ""
+        status = f"FAILED: {low.error}" if low.error else f"{low.ops} matmuls, {half} half{fp8}"
         print(f"  {c.name:<40} {low.lower_s:6.1f} s  {status}")
   return rows
 

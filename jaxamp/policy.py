@@ -292,6 +292,11 @@ def _parse_token(token: str, spec: str) -> Any:
   token = token.strip()
   if token == "half":
     return _half_dtype()
+  if token.startswith(("float8", "f8", "fp8")):
+    raise ValueError(f"Policy {spec!r} asks for {token}: 8-bit floats need per-tensor scaling, "
+                     "which a policy dtype cannot give. For FP8 matmuls use 'mixed_fp8' "
+                     "(delayed scaling), 'mixed_fp8_current', or add fp8=delayed / "
+                     "fp8=current to a policy string ('p=f32,c=bf16,fp8=delayed').")
   try:
     return _DTYPE_TOKENS[token]
   except KeyError:
