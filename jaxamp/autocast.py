@@ -127,7 +127,13 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
         g:f32[1,2] = exp f
       in (g,) }
   """
-  compute = np.dtype(get_policy(global_policy() if policy is None else policy).compute_dtype)
+  resolved = get_policy(global_policy() if policy is None else policy)
+  if resolved.fp8 is not None:
+    raise ValueError(f"autocast does not run FP8 (policy {resolved.name!r}): FP8 needs "
+                     "per-tensor state, which Linear/Dense layers keep. Use "
+                     "jaxamp.make_train_step or jaxamp.nnx/linen.with_policy with it, or "
+                     "autocast with 'mixed_bfloat16'.")
+  compute = np.dtype(resolved.compute_dtype)
   if lists is None:
     lists = BFLOAT16_LISTS if compute == np.dtype(jnp.bfloat16) else DEFAULT_LISTS
   if not isinstance(lists, AutocastLists):

@@ -87,13 +87,14 @@ _ALIASES = {"fp16": "float16", "fp32": "float32", "fp64": "float64", "bf16": "bf
             "f16": "float16", "f32": "float32", "f64": "float64", "half": "float16",
             "float": "float32", "single": "float32", "double": "float64",
             "brain_float16": "bfloat16", "bfloat": "bfloat16", "amp": "mixed_float16",
-            "mixed": "mixed_bfloat16", "mixed_precision": "mixed_bfloat16"}
+            "mixed": "mixed_bfloat16", "mixed_precision": "mixed_bfloat16",
+            "fp8": "mixed_fp8", "f8": "mixed_fp8", "float8": "mixed_fp8",
+            "float8_e4m3fn": "mixed_fp8", "float8_e5m2": "mixed_fp8"}
 
 
 def _valid() -> str:
   return (f"Valid: {', '.join(repr(n) for n in POLICY_NAMES)}, or a jmp string such as "
-          "'params=float32,compute=bfloat16,output=float32' ('p=f32,c=bf16'); see "
-          "help(jaxamp.get_policy).")
+          "'p=f32,c=bf16' (params, compute, output, fp8); see help(jaxamp.get_policy).")
 
 
 def _did_you_mean(spec: str, choices: Any = POLICY_NAMES) -> str:
@@ -203,7 +204,8 @@ class Policy:
   def name(self) -> str:
     """The canonical name: a Keras name where one applies, else a jmp string.
 
-    ``get_policy(p.name) == p`` always holds.
+    ``get_policy(p.name) == p`` holds for every policy except FP8 ones with a
+    non-default recipe (``DelayedScaling(amax_history_len=16)``), named by its repr.
     """
     p, c, o = self.param_dtype, self.compute_dtype, self.output_dtype
     if self.fp8 is not None:
@@ -293,6 +295,8 @@ def _parse_token(token: str, spec: str) -> Any:
   if token == "half":
     return _half_dtype()
   if token.startswith(("float8", "f8", "fp8")):
+    if "=" not in spec:
+      raise _unknown(spec, f"{spec!r}: 8-bit floats need per-tensor scaling (FP8 mode).")
     raise ValueError(f"Policy {spec!r} asks for {token}: 8-bit floats need per-tensor scaling, "
                      "which a policy dtype cannot give. For FP8 matmuls use 'mixed_fp8' "
                      "(delayed scaling), 'mixed_fp8_current', or add fp8=delayed / "
@@ -325,7 +329,7 @@ def _parse_string(spec: str) -> Policy:
     key = key.strip()
     if not sep or key not in _KEYS:
       raise _unknown(spec, f"Cannot parse {part.strip()!r} in policy {spec!r}: keys are "
-                     "params (p), compute (c), output (o).")
+                     "params (p), compute (c), output (o), fp8.")
     if _KEYS[key] in found:
       raise ValueError(f"Policy {spec!r} sets {_KEYS[key]} twice; give each of params (p), "
                        "compute (c), output (o) at most once.")
@@ -345,9 +349,12 @@ def get_policy(spec: PolicyLike) -> Policy:
 
   Args:
     spec: a ``Policy``; a Keras name (``'float32'``, ``'float16'``, ``'bfloat16'``,
-      ``'float64'``, ``'mixed_float16'``, ``'mixed_bfloat16'``); a jmp string such as
-      ``'params=float32,compute=bfloat16,output=float32'`` or ``'p=f32,c=bf16'``
-      (jmp's defaults for missing keys); a ``jmp.Policy``; or a floating dtype.
+      ``'float64'``, ``'mixed_float16'``, ``'mixed_bfloat16'``); an FP8 name
+      (``'mixed_fp8'``: delayed scaling, ``'mixed_fp8_current'``: current scaling; both
+      float32 params and bfloat16 for all but the FP8 matmuls, see :mod:`jaxamp.fp8`);
+      a jmp string such as ``'params=float32,compute=bfloat16,output=float32'`` or
+      ``'p=f32,c=bf16'`` (jmp's defaults for missing keys; ``fp8=delayed`` or
+      ``fp8=current`` adds FP8 matmuls); a ``jmp.Policy``; or a floating dtype.
 
   Returns:
     The policy.
@@ -355,7 +362,8 @@ def get_policy(spec: PolicyLike) -> Policy:
   Raises:
     ValueError: ``spec`` names no policy (the message lists what is valid and suggests
       a near miss: ``'fp16'`` -> ``'float16'``); a key is given twice; a dtype is not
-      float16, bfloat16, float32 or float64 (8-bit floats included), or float64 while
+      float16, bfloat16, float32 or float64 (8-bit floats are refused with a pointer to
+      the FP8 names), or float64 while
       ``jax_enable_x64`` is off; ``spec`` is an array or a Python type.
 
   Example:

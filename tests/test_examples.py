@@ -14,6 +14,7 @@ import json
 import math
 import pathlib
 import sys
+import types
 import warnings
 
 import jax
@@ -212,6 +213,26 @@ def test_benchmark_lower_only_lowers_for_cuda(capsys):
   assert matmul == {"float32": 0.0, "float32 HIGHEST": 0.0, "bfloat16": 1.0, "float16": 1.0,
                     "mixed_bfloat16": 1.0, "mixed_float16": 1.0}
   assert "lowered 10 of 10 candidates for cuda" in capsys.readouterr().out
+
+
+def test_benchmark_fp8_candidate_lowers_for_cuda(capsys):
+  """``--size gpu`` adds jaxamp's ``mixed_fp8`` LM; at smoke size its step lowers for CUDA
+  with FP8 matmuls (the LM head and attention scores stay bfloat16: not Linear/FP8)."""
+  bench = _benchmarks()
+  assert bench.run.SIZES["gpu"].lm_extra == ("mixed_fp8",)
+  size = dataclasses.replace(bench.run.SIZES["smoke"], lm_extra=("mixed_fp8",))
+  args = types.SimpleNamespace(only=["lm"], policies=["mixed_bfloat16"], platform="cuda")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    rows = bench.run._lower_only(size, ["jaxamp", "hand-written Flax"], args)
+  assert not [r for r in rows if r.error]
+  got = {(r.impl, r.policy): r for r in rows}
+  assert set(got) == {("jaxamp", "mixed_bfloat16"), ("hand-written Flax", "mixed_bfloat16"),
+                      ("jaxamp", "mixed_fp8")}
+  fp8 = got[("jaxamp", "mixed_fp8")]
+  assert fp8.fp8_share > 0.5 and fp8.fp8_share + fp8.half_share == 1.0
+  assert got[("jaxamp", "mixed_bfloat16")].fp8_share == 0.0
+  assert "% FP8" in capsys.readouterr().out
 
 
 def test_benchmark_compile_section():

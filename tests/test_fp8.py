@@ -321,3 +321,12 @@ def test_small_transformer_trains_close_to_bfloat16():
   (b0, b1), (f0, f1) = losses.values()
   assert b1 < 0.8 * b0 and f1 < 0.8 * f0  # both learn
   assert abs(f1 - b1) / b1 < 0.03, losses
+
+
+def test_unsupported_combinations_are_refused():
+  with pytest.raises(ValueError, match="autocast does not run FP8"):
+    jaxamp.autocast(lambda x: x @ x, "mixed_fp8")
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8", mesh=jax.make_mesh((1,), ("data",)))
+  with pytest.raises(NotImplementedError, match="mesh"):
+    train.init(_mlp())

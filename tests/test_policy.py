@@ -103,7 +103,7 @@ def test_near_misses_say_did_you_mean(bad, suggestion):
     (np.float32(1.0), "from an array"),
     (float, "Python's float"),
     (1.0, "from 1.0"),
-    (jnp.float8_e4m3fn, "cannot be float8_e4m3fn.*no FP8 mode"),
+    (jnp.float8_e4m3fn, "cannot be float8_e4m3fn.*FP8 mode.*'mixed_fp8'"),
     ("p=f32,c=f32,o=f32", None),
 ])
 def test_ambiguous_or_unsupported_specs_are_refused(bad, match):

@@ -44,3 +44,14 @@ def test_hand_written_recipes_skip_overflow_steps_exactly():
   assert (model.kernel[...] == kernel).all()
   assert int(optax.tree_utils.tree_get(optimizer.opt_state, "count")) == 1
   assert float(jaxamp.get_loss_scale(optimizer.opt_state)) == 2.0**14
+
+
+def test_fp8_example_runs_as_written(capsys):
+  import warnings
+
+  (block,) = _section_blocks("### FP8")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # FP8 on CPU runs upcast
+    exec(block, {})  # pylint: disable=exec-used
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "['layers/0']" and lines[-1] == "True"
