@@ -122,47 +122,44 @@ def test_fp8_on_cpu_warns_once(monkeypatch):
 # --- numerics against the reference --------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", [jaxamp.DelayedScaling(amax_history_len=3, margin=1),
-                                    jaxamp.DelayedScaling(amax_history_len=2,
-                                                          amax_compute_algo="most_recent")])
-def test_delayed_scaling_matches_reference(recipe):
+def test_delayed_scaling_matches_reference_every_step():
+  """Margin 1, a history of 3 over 5 steps (entries fall out): the amax history and the
+  scales after every step equal the reference's, and every forward product equals the
+  FP8 emulation under the scales the state held before the step."""
+  recipe = jaxamp.DelayedScaling(amax_history_len=3, margin=1)
   train, state, c = _linear_step(recipe)
-  batches = _batches(5)
-  amaxes, outputs = [], []
-  for b in batches:
+  amaxes, seen, last = [], [], None
+  for b in _batches(5):
     kernel = np.asarray(state.params["kernel"][...])
     x = np.asarray(b["x"])
     scale = np.asarray(state.fp8[""].scale)
     out = np.asarray(train.eval_step(state, b))  # the forward pass under this step's scales
     np.testing.assert_allclose(out, emulated_dot(x, kernel, scale[0], scale[1]), rtol=1e-6)
-    outputs.append((out, x, kernel))
+    last = out, x, kernel
     amaxes.append([np.abs(x).max(), np.abs(kernel).max(), np.abs(c).max()])
     state, metrics = train.step(state, b)
     assert bool(metrics["grads_finite"])
-  ref = reference_recipe(np.asarray(amaxes, np.float32), recipe.amax_history_len, recipe.margin,
-                         recipe.amax_compute_algo)
-  history, scale = ref[-1]
-  np.testing.assert_array_equal(np.asarray(state.fp8[""].amax_history), history)
-  np.testing.assert_array_equal(np.asarray(state.fp8[""].scale), scale)
+    seen.append((np.asarray(state.fp8[""].amax_history), np.asarray(state.fp8[""].scale)))
+  ref = reference_recipe(np.asarray(amaxes, np.float32), 3, margin=1)
+  for (h, s), (rh, rs) in zip(seen, ref):
+    np.testing.assert_array_equal(h, rh)
+    np.testing.assert_array_equal(s, rs)
   # The delayed scales are not the current ones: the emulation tells them apart.
-  out, x, kernel = outputs[-1]
+  out, x, kernel = last
   current = MAXES[0] / np.abs(x).max(), MAXES[0] / np.abs(kernel).max()
   assert not np.allclose(out, emulated_dot(x, kernel, *current), rtol=1e-6)
 
 
-def test_delayed_scales_every_step():
-  """The whole sequence, step by step (history length 2: entries fall out)."""
-  recipe = jaxamp.DelayedScaling(amax_history_len=2)
-  train, state, c = _linear_step(recipe)
-  amaxes, seen = [], []
-  for b in _batches(4):
-    amaxes.append([np.abs(np.asarray(b["x"])).max(),
-                   np.abs(np.asarray(state.params["kernel"][...])).max(), np.abs(c).max()])
-    state, _ = train.step(state, b)
-    seen.append((np.asarray(state.fp8[""].amax_history), np.asarray(state.fp8[""].scale)))
-  for (h, s), (rh, rs) in zip(seen, reference_recipe(np.asarray(amaxes, np.float32), 2)):
-    np.testing.assert_array_equal(h, rh)
-    np.testing.assert_array_equal(s, rs)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_scales_matches_reference(algo):
+  amaxes = np.float32([[2.0, 0.5, 0.0], [8.0, 0.25, 3.0], [1.0, np.inf, 1.0], [0.5, 4.0, 2.0]])
+  recipe = jaxamp.DelayedScaling(amax_history_len=2, amax_compute_algo=algo, margin=2)
+  meta = jaxamp.fp8.init_meta(recipe)
+  for a, (rh, rs) in zip(amaxes, reference_recipe(amaxes, 2, 2, algo)):
+    history = jnp.roll(meta.amax_history, 1, axis=1).at[:, 0].set(a)
+    meta = jaxamp.fp8.update_scales(jaxamp.Fp8Meta(history, meta.scale), recipe)
+    np.testing.assert_array_equal(np.asarray(meta.amax_history), rh)
+    np.testing.assert_array_equal(np.asarray(meta.scale), rs)
 
 
 def test_current_scaling_uses_this_steps_amax():
