@@ -443,9 +443,11 @@ def _fp8_fast_path_missing() -> str | None:
       return (f"FP8 matmuls need a GPU of compute capability >= 8.9 (Ada, Hopper, "
               f"Blackwell); this one is {cc}, so XLA upcasts them")
     return None
-  return (f"XLA on {backend} has no FP8 matmul units (they run upcast, with FP8's rounding "
-          "and scaling, for testing); FP8 speed needs an NVIDIA GPU of compute capability "
-          ">= 8.9")
+  if backend == "cpu":
+    return ("XLA on CPU runs FP8 matmuls upcast (FP8's rounding and scaling, for testing); "
+            "FP8 speed needs an NVIDIA GPU of compute capability >= 8.9")
+  return (f"jaxamp's FP8 mode targets NVIDIA GPUs of compute capability >= 8.9; on {backend} "
+          "XLA may run FP8 matmuls upcast")
 
 
 def _warn_if_slow(policy: Policy, stacklevel: int) -> None:
