@@ -55,7 +55,6 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 __all__ = [
@@ -443,8 +442,3 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any) -> dict[str, A
   # Linen's wrapper also traces abstract passes (plan, census) of the same modules in
   # the step: no "ran twice" check here.
   return {"dot_general": _dot_for("/".join(path), policy.fp8, once=False)}
-
-
-def fp8_max(dtype: Any) -> float:
-  """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-  return float(np.asarray(jnp.finfo(dtype).max))
