@@ -359,6 +359,7 @@ class TrainStep:
     self._step_jit: Any = None
     self._eval_jit: Any = None
     self._unit_scale = False  # the step inserted no_loss_scale(): no multiply, no divide
+    self._overflow = None  # the loss scale's rule for a skipped step (_build_optimizer)
     # The skeleton of the state init made, and the last state step returned (known good).
     self._expected: Any = None
     self._last_state: Any = None
@@ -475,7 +476,11 @@ class TrainStep:
       # scale a restored state holds (the loss scale returns it to 1).
       self._unit_scale = _ls.is_no_loss_scale(scale)
       tx = optax.chain(scale, tx)
-    return _ls.skip_nonfinite(tx)
+    tx = _ls.skip_nonfinite(tx)
+    # A skipped step moves only the loss scale; when that is all the optimizer's rule can
+    # do, the step traces the rule rather than a second, dead copy of the whole update.
+    self._overflow = _ls.overflow_rule(tx, params)
+    return tx
 
   def _replicated(self) -> Any:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -681,8 +686,13 @@ class TrainStep:
               keep(next_rng, state.rng), params_finite)
 
     def skip(_):
-      # Only the loss scale moves (it backs off); the rest of the update is dead code.
-      opt_state, _ = self._update(state, opt_grads, finite=False)
+      # Only the loss scale moves (it backs off); the rest of the state is kept.
+      if self._overflow is not None:
+        opt_state = jax.tree.map(
+            lambda s: self._overflow(s) if isinstance(s, _ls.LossScaleState) else s,
+            state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
+      else:
+        opt_state, _ = self._update(state, opt_grads, finite=False)
       return state.params, opt_state, state.model_state, state.rng, jnp.asarray(True)
 
     params, opt_state, model_state, next_rng, params_finite = jax.lax.cond(
