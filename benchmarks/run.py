@@ -200,7 +200,7 @@ def _compile_section(size: Size, policies, args) -> report.Section:
     for policy in policies:
       for c in candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]):
         print(f"  {layers} layers: {c.name}")
-        results.append(compile_cost(c, layers, size.compile_reps))
+        results.append(compile_cost(c, layers, args.compile_reps))
         c.state = None
   return report.Section(
       "compile", "First-call cost: trace, lower, compile (issue 12)",
@@ -208,7 +208,7 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
       "`jax.jit(step).trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's "
       "`train.step` and of the hand-written step, each from cold caches "
-      f"(`jax.clear_caches()`), median of {size.compile_reps}; XLA temp MiB from "
+      f"(`jax.clear_caches()`), median of {args.compile_reps}; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
       results)
@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, help="steps per candidate per round")
   parser.add_argument("--overhead-rounds", type=int, help="rounds of the overhead section")
   parser.add_argument("--overhead-steps", type=int, help="steps per round, overhead section")
+  parser.add_argument("--compile-reps", type=int,
+                      help="cold-cache repetitions per candidate, compile section")
   parser.add_argument("--merge", action="store_true",
                       help="keep the sections of --out/results.json that this run does not "
                            "measure (they must come from the same machine)")
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.steps = size.steps if args.steps is None else args.steps
   args.overhead_rounds = args.overhead_rounds or size.overhead_rounds
   args.overhead_steps = args.overhead_steps or size.overhead_steps
+  args.compile_reps = args.compile_reps or size.compile_reps
   args.policies = [POLICY_FLAGS[p] for p in args.policies]
   impls = [IMPL_FLAGS[i] for i in args.impls if not (args.no_keras and i == "keras")]
   keras_note = "left out with --no-keras" if args.no_keras else None

@@ -671,7 +671,8 @@ class TrainStep:
     # the update then runs only on a finite step (lax.cond, not a select over every
     # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
     # select keeps old and new copies of everything alive).
-    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(opt_grads, scale)
+    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
+        opt_grads, None if self._unit_scale else scale)
 
     def apply(_):
       opt_state, params = self._update(state, opt_grads, finite=True)
