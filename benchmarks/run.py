@@ -58,12 +58,13 @@ from benchmarks.measure import (Lowering, compile_cost, lower_for,  # pylint: di
 # The overhead comparison runs first: on a 2-core CPU its ratio drifted when it followed
 # the ResNet-50 section (whose compiled programs and buffers it then shares the process
 # with), while measured first or alone it agreed across runs.
-SECTIONS = ("overhead", "compile", "lm", "resnet", "matmul")
+SECTIONS = ("overhead", "eager", "compile", "lm", "resnet", "matmul")
 # Command-line spellings of the implementations and policy labels.
 IMPL_FLAGS = dict(zip(("jaxamp", "hand", "keras"), candidates.IMPLS))
 POLICY_FLAGS = dict(zip(("float32", "float32-highest", "mixed_bfloat16", "mixed_float16"),
                         candidates.POLICIES))
 OVERHEAD_LIMIT = 1.03
+EAGER_LIMIT = 1.10  # issue 12: an eager policy-wrapped call / the hand-set model's
 COMPILE_LIMITS = {"time": 1.15, "temp": 1.02}  # issue 12: jaxamp / hand-written
 
 
@@ -193,6 +194,22 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       results, notes=notes)
 
 
+def _eager_section(size: Size, policies, args) -> report.Section:
+  cfg = size.lm
+  results = measure(candidates.eager_candidates(cfg, policies), warmup=args.warmup,
+                    rounds=args.overhead_rounds, steps=args.overhead_steps, aot=False,
+                    inspect=False, pairs=True)
+  return report.Section(
+      "eager", "Eager calls: policy-wrapped model vs hand-set (issue 12)",
+      f"The transformer LM of the `lm` section (dim {cfg.dim}, {cfg.layers} layers, batch "
+      f"{cfg.batch} × {cfg.seq_len}), forward pass only, called without `jit`: "
+      "`jaxamp.nnx.with_policy(model, policy)(ids)` against the same model with `dtype` "
+      "set by hand on every layer. Every op dispatches on its own, so the ratio is the "
+      "wrapper's Python work per call over the model's. Interleaved rounds "
+      f"({args.overhead_rounds} × {args.overhead_steps} calls), median of per-round ratios.",
+      results, notes=[f"Target: ≤ {EAGER_LIMIT}."])
+
+
 def _compile_section(size: Size, policies, args) -> report.Section:
   results = []
   for layers in size.compile_layers:
@@ -241,7 +258,7 @@ def _lower_only(size: Size, impls, args) -> list[Lowering]:
 def _notes(sections: list[report.Section]) -> None:
   if jax.default_backend() == "cpu":
     for s in sections:
-      if s.key not in ("overhead", "compile"):
+      if s.key not in ("overhead", "eager", "compile"):
         s.notes.append("On CPU, XLA computes bfloat16 dots by converting to float32 and "
                        "float16 has no fast path, so mixed precision saves memory here, "
                        "not time; float32 HIGHEST equals float32.")
@@ -350,6 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sections.append(_resnet_section(size, impls, args.policies, args))
       elif key == "matmul":
         sections.append(_matmul_section(size, args.policies, args))
+      elif key == "eager":
+        sections.append(_eager_section(
+            size, [p for p in args.policies if p != "float32 HIGHEST"], args))
       elif key == "compile":
         sections.append(_compile_section(
             size, [p for p in args.policies if p != "float32 HIGHEST"], args))
@@ -367,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.out.mkdir(parents=True, exist_ok=True)
   chart = "results.png" if report.write_chart(args.out / "results.png", sections, info) else None
   report.write_markdown(args.out / "RESULTS.md", info, sections, settings, chart,
-                        OVERHEAD_LIMIT, COMPILE_LIMITS)
+                        OVERHEAD_LIMIT, COMPILE_LIMITS, EAGER_LIMIT)
   report.write_json(args.out / "results.json", info, sections, settings)
   print(f"wrote {args.out / 'RESULTS.md'} ({settings['seconds']} s)")
   return {"machine": info, "settings": settings, "sections": {s.key: s for s in sections}}
