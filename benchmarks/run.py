@@ -224,7 +224,9 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       f"The transformer LM of the `lm` section (dim {size.lm.dim}, batch {size.lm.batch} × "
       f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
       "`jax.jit(step).trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's "
-      "`train.step` and of the hand-written step, each from cold caches "
+      "`train.step` and of the hand-written step in CPU seconds of the process "
+      "(`time.process_time`, all threads; other load on the machine does not count), "
+      "each from cold caches "
       f"(`jax.clear_caches()`), median of {args.compile_reps}; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
