@@ -291,6 +291,25 @@ class _LinenAdapter:
     return self.module, {"params": state.params, **state.model_state}
 
 
+def _place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)``, also where a sharding spans other processes.
+
+  There device_put refuses an array committed to one local device; every process holds
+  the same value (same seed, same model), so each places its slices from a host copy.
+  """
+
+  def one(x: Any, sharding: Any) -> Any:
+    if (not isinstance(x, jax.Array) or sharding.is_fully_addressable
+        or not x.is_fully_addressable):
+      return jax.device_put(x, sharding)
+    if _is_key(x):
+      data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sharding)
+
+  return jax.tree.map(one, tree, shardings)
+
+
 def _float16_leaves(params: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
 
@@ -470,7 +489,7 @@ class TrainStep:
       self._state_shardings = self._shardings_of(state)
     self._compile()
     if self.param_specs is not None:
-      state = jax.device_put(state, self._state_shardings)
+      state = _place(state, self._state_shardings)
     elif self.mesh is not None:
       state = jax.device_put(state, self._replicated())
     self._expected = abstract_state(state)
@@ -568,7 +587,7 @@ class TrainStep:
     if state is not self._last_state:  # the step's own output needs no check
       self.check_state(state)
       if self._state_shardings is not None:  # a restored or replicated state: lay it out
-        state = jax.device_put(state, self._state_shardings)
+        state = _place(state, self._state_shardings)
     new_state, metrics = self._step_jit(state, batch)
     self._last_state = new_state
     return new_state, metrics
@@ -607,7 +626,7 @@ class TrainStep:
     if state is not self._last_state:
       self.check_state(state)
       if self._state_shardings is not None:
-        state = jax.device_put(state, self._state_shardings)
+        state = _place(state, self._state_shardings)
     return self._eval_jit(state, batch)
 
   def model(self, state: TrainState) -> Any:

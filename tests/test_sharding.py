@@ -286,6 +286,10 @@ _EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
+# Faster XLA:CPU compiles for the tiny programs here (these tests mostly compile).
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
 def _run(args, env=None, timeout=300):
   full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
   return subprocess.run([sys.executable, *args], capture_output=True, text=True,
@@ -296,7 +300,7 @@ def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_pa
   path = tmp_path / "sharded.py"
   path.write_text(_EIGHT_DEVICES.format(root=ROOT, tests=TESTS))
   proc = _run([str(path), str(tmp_path / "ckpt")],
-              {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+              {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "SHARDED-OK" in proc.stdout
 
@@ -351,7 +355,7 @@ def test_two_processes_train_sharded_like_one(tmp_path):
     s.bind(("localhost", 0))
     port = str(s.getsockname()[1])
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {_FAST_COMPILE}")
   procs = [subprocess.Popen([sys.executable, str(path), str(i), port, str(tmp_path / f"{i}.npz")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
            for i in range(2)]
