@@ -4,6 +4,7 @@ The multi-device checks run in subprocesses: 8 fake CPU devices in one process, 
 processes of 2 CPU devices each joined by ``jax.distributed`` (gloo collectives).
 """
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -307,56 +308,17 @@ def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_pa
 
 # --- two processes ------------------------------------------------------------------------
 
-_PROCESS = textwrap.dedent("""
-    import os, sys
-    process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import jax
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(f'localhost:{{port}}', num_processes=2, process_id=process_id)
-    import numpy as np, optax
-    from jax.experimental import multihost_utils
-    import jaxamp
-    from test_sharding import multi_process_run
-    assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
-    mesh = jax.make_mesh((4,), ('fsdp',))
-    params, losses = multi_process_run(dict(mesh=mesh, batch_axis='fsdp',
-                                            param_sharding=jaxamp.fsdp('fsdp', min_size=16)))
-    params = [np.asarray(multihost_utils.process_allgather(p, tiled=True)) for p in params]
-    np.savez(out, *params, losses=np.asarray(losses))
-""")
-
-
-def multi_process_run(kw):
-  """3 mixed_bfloat16 FSDP steps; each process feeds its half of every batch."""
-  from test_train import init, leaves, loss_fn, make_batches  # pylint: disable=g-import-not-at-top
-
-  tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**8), optax.adam(1e-2))
-  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", **kw)
-  state = init(train, "nnx", batchnorm=False)
-  losses = []
-  for batch in make_batches(3, size=16):
-    if kw:
-      sharding = jax.sharding.NamedSharding(kw["mesh"], P(kw["batch_axis"]))
-      half = slice(8 * jax.process_index(), 8 * (jax.process_index() + 1))
-      batch = {k: jax.make_array_from_process_local_data(sharding, v[half])
-               for k, v in batch.items()}
-    state, metrics = train.step(state, batch)
-    losses.append(float(metrics["loss"]))
-  if not kw:
-    return leaves(state.params), losses
-  return jax.tree.leaves(state.params), losses
-
-
 def test_two_processes_train_sharded_like_one(tmp_path):
-  path = tmp_path / "process.py"
-  path.write_text(_PROCESS.format(root=ROOT, tests=TESTS))
+  """The README's launch commands: examples/sharded.py in 2 processes of 2 CPU devices."""
+  example = os.path.join(ROOT, "examples", "sharded.py")
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = str(s.getsockname()[1])
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {_FAST_COMPILE}")
-  procs = [subprocess.Popen([sys.executable, str(path), str(i), port, str(tmp_path / f"{i}.npz")],
+  procs = [subprocess.Popen([sys.executable, example, "--processes", "2", "--process-id",
+                             str(i), "--coordinator", f"localhost:{port}", "--out",
+                             str(tmp_path / f"{i}.npz")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
            for i in range(2)]
   logs = []
@@ -368,11 +330,17 @@ def test_two_processes_train_sharded_like_one(tmp_path):
       if p.poll() is None:
         p.kill()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+  assert "process 1/2, 4 devices" in logs[1], logs[1]
+  assert "'fsdp'" in logs[0]  # some params are sharded
   results = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
-  sys.path.insert(0, TESTS)
-  params, losses = multi_process_run({})
+  spec = importlib.util.spec_from_file_location("sharded_example", example)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params, losses = module.run(steps=3, sharded=False)  # one process, one device
   for r in results:
+    # bfloat16 compute; each device sums its own rows' gradients before the reduction
     np.testing.assert_allclose(r["losses"], losses, rtol=2e-3)
+    assert len(r.files) == len(params) + 1
     for i, p in enumerate(params):
       np.testing.assert_allclose(r[f"arr_{i}"], p, rtol=2e-3, atol=2e-3)
   for key in results[0].files:  # the two processes agree exactly
