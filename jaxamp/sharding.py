@@ -244,6 +244,7 @@ _OP_RE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_OPS) + r")(?:-start)?\
 _ARRAY_RE = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _MLIR_OP_RE = re.compile(r'"?stablehlo\.(' + "|".join(o.replace("-", "_") for o in _OPS)
                          + r')"?')
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 _MLIR_END_RE = re.compile(r"^\s*\}\)\s*:\s*\(")
 _TENSOR_RE = re.compile(r"tensor<((?:\d+x)*)(i1|[a-z]+\d+\w*)>")
 _ITEMSIZE = {"pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "s16": 2, "u16": 2, "i16": 2,
@@ -276,6 +277,7 @@ def collectives(program_text: str) -> list[Collective]:
     return _mlir_collectives(program_text)
   found = []
   for line in program_text.splitlines():
+    line = _COMMENT_RE.sub("", line)  # long tuples carry /*index=5*/ comments
     m = _OP_RE.search(line)
     if m is None:
       continue

@@ -37,6 +37,11 @@ so every device keeps the same loss scale. For several hosts, call
 ``jax.distributed.initialize()`` in each process first, build the mesh over
 ``jax.devices()`` and pass each host's part of the batch as a global array (e.g.
 ``jax.make_array_from_process_local_data``).
+
+Sharded: with ``param_sharding`` (:func:`jaxamp.fsdp`, :func:`jaxamp.annotated`, or
+``PartitionSpec`` s) the params, master weights and optimizer state stay sharded over the
+mesh; each step gathers the params in their compute dtype and reduce-scatters gradients
+in ``grad_reduce_dtype`` (see :mod:`jaxamp.sharding`).
 """
 
 from __future__ import annotations

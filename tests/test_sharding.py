@@ -93,11 +93,13 @@ def test_collectives_reads_hlo_and_stablehlo():
       %s = (bf16[1,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(bf16[1,4]{1,0} %q)
       %d = bf16[8,4]{1,0} all-gather-done(%s)
       %x = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %a)
+      %t = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[3]{0}) all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f)
   """)
   assert collectives(hlo) == [
       Collective("all-gather", "bf16", 64), Collective("all-reduce", "f32", 16),
       Collective("all-reduce", "f32", 4), Collective("reduce-scatter", "f32", 32),
-      Collective("all-gather", "bf16", 64)]
+      Collective("all-gather", "bf16", 64)] + [Collective("all-reduce", "f32", 8)] * 5 + [
+      Collective("all-reduce", "f32", 12)]
   mlir = textwrap.dedent("""
       %1 = "stablehlo.all_gather"(%0) <{all_gather_dim = 0 : i64}> : (tensor<4xbf16>) -> tensor<16xbf16>
       %2 = "stablehlo.reduce_scatter"(%1) <{scatter_dimension = 0 : i64}> ({
