@@ -345,6 +345,8 @@ class TrainStep:
     master_weights: whether the optimizer updates float32 master weights; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
+      like the params) once :meth:`init` has run; else None.
   """
 
   def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
