@@ -37,6 +37,11 @@ so every device keeps the same loss scale. For several hosts, call
 ``jax.distributed.initialize()`` in each process first, build the mesh over
 ``jax.devices()`` and pass each host's part of the batch as a global array (e.g.
 ``jax.make_array_from_process_local_data``).
+
+Sharded: with ``param_sharding`` (:func:`jaxamp.fsdp`, :func:`jaxamp.annotated`, or
+``PartitionSpec`` s) the params, master weights and optimizer state stay sharded over the
+mesh; each step gathers the params in their compute dtype and reduce-scatters gradients
+in ``grad_reduce_dtype`` (see :mod:`jaxamp.sharding`).
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.core import meta as flax_meta
 
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
+from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import norm_defaults, path_name
 from jaxamp.summary import cast_module_params
@@ -110,14 +117,17 @@ def abstract_state(state: TrainState) -> TrainState:
     state: a :class:`TrainState` (or any pytree of arrays).
 
   Returns:
-    The same structure with ``jax.ShapeDtypeStruct`` leaves.
+    The same structure with ``jax.ShapeDtypeStruct`` leaves; each array's carries its
+    sharding, so a sharded state is restored sharded (each device reads its slices).
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
     >>> jaxamp.abstract_state({'w': jnp.ones((2, 3))})['w'].shape
     (2, 3)
   """
-  return jax.eval_shape(lambda s: s, state)
+  # Concrete shardings: eval_shape's may name an abstract mesh, which a restore cannot use.
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else jax.eval_shape(lambda y: y, x), state)
 
 
 def _is_key(x: Any) -> bool:
@@ -286,6 +296,25 @@ class _LinenAdapter:
     return self.module, {"params": state.params, **state.model_state}
 
 
+def _place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)``, also where a sharding spans other processes.
+
+  There device_put refuses an array committed to one local device; every process holds
+  the same value (same seed, same model), so each places its slices from a host copy.
+  """
+
+  def one(x: Any, sharding: Any) -> Any:
+    if (not isinstance(x, jax.Array) or sharding.is_fully_addressable
+        or not x.is_fully_addressable):
+      return jax.device_put(x, sharding)
+    if _is_key(x):
+      data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sharding)
+
+  return jax.tree.map(one, tree, shardings)
+
+
 def _float16_leaves(params: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
 
@@ -316,6 +345,8 @@ class TrainStep:
     master_weights: whether the optimizer updates float32 master weights; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
+      like the params) once :meth:`init` has run; else None.
   """
 
   def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -323,12 +354,19 @@ class TrainStep:
                batch_axis: str, donate: bool, grad_reduce_dtype: Any,
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
                eval_fn: Callable[..., Any] | None, seed: int, level: Any = None,
-               recompute_norms: bool = False):
+               recompute_norms: bool = False, param_sharding: Any = None):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
-    if mesh is not None and batch_axis not in mesh.axis_names:
-      raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh; its axes are "
-                       f"{tuple(mesh.axis_names)}.")
+    batch_axes = sharding_lib._names(batch_axis)
+    if mesh is not None:
+      for name in batch_axes:
+        if name not in mesh.axis_names:
+          raise ValueError(f"batch_axis {name!r} is not an axis of the mesh; its axes are "
+                           f"{tuple(mesh.axis_names)}.")
+    if param_sharding is not None and mesh is None:
+      raise ValueError("param_sharding needs a mesh: pass mesh=jax.make_mesh(...) with the "
+                       "axes the parameters are sharded over (e.g. jaxamp.fsdp('fsdp') "
+                       "needs an axis named 'fsdp').")
     _check_signature(loss_fn, "loss_fn")
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
@@ -340,6 +378,13 @@ class TrainStep:
     self.grad_accum_steps = grad_accum_steps
     self.mesh = mesh
     self.batch_axis = batch_axis
+    self._batch_axes = batch_axes
+    self.param_sharding = param_sharding
+    # Set by init when param_sharding is given: the specs of the params (a tree like
+    # them), the dtypes they are gathered in, and the shardings of the whole state.
+    self.param_specs: Any = None
+    self._gather_dtypes: Any = None
+    self._state_shardings: Any = None
     self.donate = donate
     if grad_reduce_dtype is None or not jnp.issubdtype(np.dtype(grad_reduce_dtype),
                                                         jnp.floating):
@@ -420,8 +465,19 @@ class TrainStep:
         self._adapter = _LinenAdapter(model, self.recompute_norms)
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
+    if self.param_sharding is not None:
+      # Read the specs while Linen's partitioning boxes are still on, then drop them.
+      self.param_specs = sharding_lib.param_specs(self.param_sharding, params, self.mesh)
+      params, model_state = flax_meta.unbox((params, model_state))
     params = (self.policy.cast_to_param(params) if plan is None
               else cast_module_params(params, plan, lambda p: p.param_dtype))
+    if self.param_specs is not None:
+      # Each parameter is gathered in the compute dtype of the module owning it: the dtype
+      # the module casts it to anyway, so the cast before the gather changes no value.
+      compute = jax.eval_shape(lambda p: (
+          self.policy.cast_to_compute(p) if plan is None
+          else cast_module_params(p, plan, lambda q: q.compute_dtype)), params)
+      self._gather_dtypes = [x.dtype for x in jax.tree.leaves(compute)]
     if self._master_weights_arg is None:
       self.master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                                 for x in jax.tree.leaves(params))
@@ -437,8 +493,12 @@ class TrainStep:
       opt_state = MasterWeightsState(opt_params, opt_state)
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        model_state=model_state, rng=jax.random.key(self.seed))
+    if self.param_specs is not None:
+      self._state_shardings = self._shardings_of(state)
     self._compile()
-    if self.mesh is not None:
+    if self.param_specs is not None:
+      state = _place(state, self._state_shardings)
+    elif self.mesh is not None:
       state = jax.device_put(state, self._replicated())
     self._expected = abstract_state(state)
     self._last_state = None  # states made before this init must pass the check
@@ -492,10 +552,43 @@ class TrainStep:
       self._eval_jit = jax.jit(self._eval_impl)
     else:
       repl = self._replicated()
-      data = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+      state = self._state_shardings if self.param_specs is not None else repl
+      data = self._batch_sharding()
       self._step_jit = jax.jit(self._step_impl, donate_argnums=donate,
-                               in_shardings=(repl, data), out_shardings=(repl, repl))
-      self._eval_jit = jax.jit(self._eval_impl, in_shardings=(repl, data))
+                               in_shardings=(state, data), out_shardings=(state, repl))
+      self._eval_jit = jax.jit(self._eval_impl, in_shardings=(state, data))
+
+  def _batch_sharding(self) -> Any:
+    return jax.sharding.NamedSharding(self.mesh,
+                                      jax.sharding.PartitionSpec(self._batch_axes))
+
+  def _shardings_of(self, state: TrainState) -> TrainState:
+    """Where each leaf of ``state`` lives: params by their specs, optimizer-state subtrees
+    shaped like the params (moments, master weights) likewise, the rest replicated."""
+    repl = self._replicated()
+    named = lambda spec: jax.sharding.NamedSharding(self.mesh, spec)
+    param_def = jax.tree.structure(state.params)
+    shapes = [np.shape(x) for x in jax.tree.leaves(state.params)]
+    spec_leaves = param_def.flatten_up_to(self.param_specs)
+
+    def mirrors(x: Any) -> bool:
+      try:
+        return jax.tree.structure(x) == param_def
+      except Exception:  # pylint: disable=broad-except
+        return False
+
+    def place(x: Any) -> Any:
+      if not mirrors(x):
+        return jax.tree.map(lambda _: repl, x)
+      # Same structure; a leaf of another shape (a factored statistic) is replicated.
+      leaves = [named(s) if np.shape(l) == shape else repl
+                for l, s, shape in zip(jax.tree.leaves(x), spec_leaves, shapes)]
+      return param_def.unflatten(leaves)
+
+    return TrainState(params=place(state.params),
+                      opt_state=jax.tree.map(place, state.opt_state, is_leaf=mirrors),
+                      step=repl, model_state=jax.tree.map(lambda _: repl, state.model_state),
+                      rng=repl)
 
   # -- public steps --
 
@@ -505,6 +598,8 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.step(...).")
     if state is not self._last_state:  # the step's own output needs no check
       self.check_state(state)
+      if self._state_shardings is not None:  # a restored or replicated state: lay it out
+        state = _place(state, self._state_shardings)
     new_state, metrics = self._step_jit(state, batch)
     self._last_state = new_state
     return new_state, metrics
@@ -542,6 +637,8 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
     if state is not self._last_state:
       self.check_state(state)
+      if self._state_shardings is not None:
+        state = _place(state, self._state_shardings)
     return self._eval_jit(state, batch)
 
   def model(self, state: TrainState) -> Any:
@@ -552,8 +649,9 @@ class TrainStep:
 
   # -- the traced bodies --
 
-  def _loss_and_grads(self, params, model_state, batch, rng, scale):
-    """Scaled-loss gradients over micro-batches, accumulated in float32."""
+  def _loss_and_grads(self, params, model_state, batch, rng, scale, keep_float32=False):
+    """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
+    with ``keep_float32``)."""
 
     def scaled_loss(p, ms, mb, key):
       model, new_state = self._adapter.bind(p, ms, key, self.policy, train=True,
@@ -588,14 +686,14 @@ class TrainStep:
     # Accumulated in float32. Master weights take them so; otherwise they go on in each
     # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
     # trace).
-    grads = jax.tree.map(lambda a, p: (a / k).astype(_F32 if self.master_weights else p.dtype),
-                         acc, params)
+    grads = jax.tree.map(lambda a, p: (a / k).astype(
+        _F32 if self.master_weights or keep_float32 else p.dtype), acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
                        else a[-1], auxes)
     return grads, jnp.mean(losses), aux, model_state
 
   def _reduce(self, grads, loss, aux, model_state):
-    axis = self.batch_axis
+    axis = self._batch_axes
     dt = self.grad_reduce_dtype
     grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axis).astype(g.dtype), grads)
 
@@ -608,8 +706,10 @@ class TrainStep:
   def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
     if self.mesh is None:
       return self._loss_and_grads(state.params, state.model_state, batch, rng, scale)
+    if self.param_specs is not None:
+      return self._sharded_grads(state, batch, scale, rng)
     P = jax.sharding.PartitionSpec
-    axis = self.batch_axis
+    axis = self._batch_axes
 
     def local(params, model_state, batch, rng, scale):
       index = jax.lax.axis_index(axis)
@@ -624,13 +724,82 @@ class TrainStep:
 
     sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(axis), P(), P()),
                             out_specs=P(), check_vma=False)
-    data = jax.sharding.NamedSharding(self.mesh, P(axis))
-    axis_type = dict(zip(self.mesh.axis_names, self.mesh.axis_types))[axis]
-    explicit = axis_type == jax.sharding.AxisType.Explicit
+    return sharded(state.params, state.model_state, self._put_batch(batch), rng, scale)
+
+  def _put_batch(self, batch: Any) -> Any:
+    data = self._batch_sharding()
+    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+    explicit = any(types[a] == jax.sharding.AxisType.Explicit for a in self._batch_axes)
     # Explicit mesh axes take a reshard; Auto ones a sharding constraint.
     put = jax.reshard if explicit else jax.lax.with_sharding_constraint
-    batch = jax.tree.map(lambda x: put(x, data), batch)
-    return sharded(state.params, state.model_state, batch, rng, scale)
+    return jax.tree.map(lambda x: put(x, data), batch)
+
+  def _gather(self, params: Any) -> Any:
+    """Inside shard_map: each param slice cast to its compute dtype, then all-gathered."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(self.param_specs)
+    out = []
+    for x, spec, dtype in zip(leaves, specs, self._gather_dtypes):
+      x = x.astype(dtype) if is_floating_array(x) else x
+      for d, entry in enumerate(spec):
+        if entry is not None:
+          x = jax.lax.all_gather(x, sharding_lib._names(entry), axis=d, tiled=True)
+      out.append(x)
+    return treedef.unflatten(out)
+
+  def _reduce_scatter(self, grads: Any, params: Any) -> Any:
+    """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
+    over the batch axes and scattered to its param's layout, then averaged."""
+    axes = self._batch_axes
+    n = sharding_lib._axis_size(self.mesh, axes)
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = treedef.flatten_up_to(self.param_specs)
+    out = []
+    for g, spec, p in zip(leaves, specs, jax.tree.leaves(params)):
+      out_dtype = _F32 if self.master_weights else p.dtype
+      g = g.astype(self.grad_reduce_dtype)
+      summed: tuple[str, ...] = ()
+      for d, entry in enumerate(spec):
+        names = sharding_lib._names(entry)
+        if not names:
+          continue
+        if all(a in axes for a in names):
+          g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
+          summed += names
+        else:  # a storage-only axis: every device along it has the same gradient
+          size = g.shape[d] // sharding_lib._axis_size(self.mesh, names)
+          g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(names) * size, size, d)
+      rest = tuple(a for a in axes if a not in summed)
+      if rest:
+        g = jax.lax.psum(g, rest)
+      out.append((g / n).astype(out_dtype))
+    return treedef.unflatten(out)
+
+  def _sharded_grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
+    P = jax.sharding.PartitionSpec
+    axes = self._batch_axes
+
+    def local(params, model_state, batch, rng, scale):
+      index = jax.lax.axis_index(axes)
+      rng = jax.random.fold_in(rng, index)
+      keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
+                          model_state)
+      full = self._gather(params)
+      grads, loss, aux, new_state = self._loss_and_grads(full, keys, batch, rng, scale,
+                                                         keep_float32=True)
+      new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
+      grads = self._reduce_scatter(grads, params)
+
+      def mean_floats(t):
+        return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
+                            if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
+
+      return grads, jax.lax.pmean(loss, axes), mean_floats(aux), mean_floats(new_state)
+
+    specs = self.param_specs
+    sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, P(), P(axes), P(), P()),
+                            out_specs=(specs, P(), P(), P()), check_vma=False)
+    return sharded(state.params, state.model_state, self._put_batch(batch), rng, scale)
 
   @staticmethod
   def _call_user(fn: Callable[..., Any], model: Any, batch: Any) -> Any:
@@ -741,13 +910,23 @@ class TrainStep:
     return _ls.all_finite(half) if half else None
 
   def _eval_impl(self, state: TrainState, batch: Any):
+    params = state.params
+    if self.param_specs is not None:
+      # Gathered in the compute dtype, as the step gathers them; then run data parallel.
+      leaves, treedef = jax.tree.flatten(params)
+      repl = self._replicated()
+      explicit = set(self.mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+      put = jax.reshard if explicit else jax.lax.with_sharding_constraint
+      params = treedef.unflatten([put(x.astype(dt) if is_floating_array(x) else x, repl)
+                                  for x, dt in zip(leaves, self._gather_dtypes)])
+
     def run(params, model_state, batch):
       model, _ = self._adapter.bind(params, model_state, state.rng, self.policy, train=False,
                                     float32_outputs=self.float32_outputs)
       return cast_floating(self._call_user(self.eval_fn, model, batch), _F32)
 
     with self._level_rules():
-      return self._autocast(run)(state.params, state.model_state, batch)
+      return self._autocast(run)(params, state.model_state, batch)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -757,7 +936,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     master_weights: bool | None = None, float32_outputs: bool = True,
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
                     seed: int = 0, opt_level: Any = None,
-                    recompute_norms: bool = False) -> TrainStep:
+                    recompute_norms: bool = False,
+                    param_sharding: Any = None) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -775,10 +955,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
       scale updates once per step and the whole step is skipped if any micro-batch
       overflows. Floating aux values are averaged over micro-batches.
-    mesh: a ``jax.sharding.Mesh`` for data parallelism, or None.
-    batch_axis: the mesh axis the batch is split on.
+    mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
+    batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
+      their product, e.g. ``('data', 'fsdp')``).
     donate: donate the input state's buffers to the step.
-    grad_reduce_dtype: dtype of the cross-device gradient mean.
+    grad_reduce_dtype: dtype of the cross-device gradient mean (reduce-scatter with
+      ``param_sharding``).
     master_weights: keep float32 master weights in the optimizer state; default (None):
       on when ``init`` stores any parameter in a half dtype (``'float16'`` and
       ``'bfloat16'`` policies, or rules giving some modules half params).
@@ -795,6 +977,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     recompute_norms: recompute norms that compute wider than their inputs in the
       backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
       time. Off by default.
+    param_sharding: shard the params, master weights and optimizer state over ``mesh``:
+      :func:`jaxamp.fsdp` (each large param split over an axis), :func:`jaxamp.annotated`
+      (the model's NNX/Linen partitioning annotations, with logical axis rules), or a
+      pytree of ``PartitionSpec`` like the params. Each step gathers the params in their
+      compute dtype and reduce-scatters gradients in ``grad_reduce_dtype``; see
+      :mod:`jaxamp.sharding`. None (default): params replicated.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
@@ -819,4 +1007,4 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,
                    master_weights=master_weights, float32_outputs=float32_outputs,
                    debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level,
-                   recompute_norms=recompute_norms)
+                   recompute_norms=recompute_norms, param_sharding=param_sharding)
