@@ -315,6 +315,21 @@ def _place(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(one, tree, shardings)
 
 
+def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.Array, Any]:
+  """Inside ``shard_map``: the step key and the key streams the model carries (NNX Rngs)
+  with this device's index on ``axes`` folded in, so each device draws its own dropout
+  masks. :func:`_shared_keys` hands the shared keys back afterwards."""
+  index = jax.lax.axis_index(axes)
+  keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
+                      model_state)
+  return jax.random.fold_in(rng, index), keys
+
+
+def _shared_keys(new_state: Any, model_state: Any) -> Any:
+  """``new_state`` with the model's PRNG keys as they were before the per-device fold."""
+  return jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
+
+
 def _float16_leaves(params: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
 
@@ -712,15 +727,9 @@ class TrainStep:
     axis = self._batch_axes
 
     def local(params, model_state, batch, rng, scale):
-      index = jax.lax.axis_index(axis)
-      rng = jax.random.fold_in(rng, index)
-      # Each device draws its own dropout masks: fold its index into the key streams the
-      # model carries (NNX Rngs), then hand back the shared keys.
-      keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
-                          model_state)
+      rng, keys = _per_device_keys(rng, model_state, axis)
       grads, loss, aux, new_state = self._loss_and_grads(params, keys, batch, rng, scale)
-      new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
-      return self._reduce(grads, loss, aux, new_state)
+      return self._reduce(grads, loss, aux, _shared_keys(new_state, model_state))
 
     sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(axis), P(), P()),
                             out_specs=P(), check_vma=False)
@@ -780,14 +789,11 @@ class TrainStep:
     axes = self._batch_axes
 
     def local(params, model_state, batch, rng, scale):
-      index = jax.lax.axis_index(axes)
-      rng = jax.random.fold_in(rng, index)
-      keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
-                          model_state)
+      rng, keys = _per_device_keys(rng, model_state, axes)
       full = self._gather(params)
       grads, loss, aux, new_state = self._loss_and_grads(full, keys, batch, rng, scale,
                                                          keep_float32=True)
-      new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
+      new_state = _shared_keys(new_state, model_state)
       grads = self._reduce_scatter(grads, params)
 
       def mean_floats(t):
