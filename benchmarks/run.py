@@ -211,13 +211,14 @@ def _eager_section(size: Size, policies, args) -> report.Section:
 
 
 def _compile_section(size: Size, policies, args) -> report.Section:
+  reps = getattr(args, "compile_reps", None) or size.compile_reps
   results = []
   for layers in size.compile_layers:
     cfg = dataclasses.replace(size.lm, layers=layers)
     for policy in policies:
       for c in candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]):
         print(f"  {layers} layers: {c.name}")
-        results.append(compile_cost(c, layers, args.compile_reps))
+        results.append(compile_cost(c, layers, reps))
         c.state = None
   return report.Section(
       "compile", "First-call cost: trace, lower, compile (issue 12)",
@@ -227,7 +228,7 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       "`train.step` and of the hand-written step in CPU seconds of the process "
       "(`time.process_time`, all threads; other load on the machine does not count), "
       "each from cold caches "
-      f"(`jax.clear_caches()`), median of {args.compile_reps}; XLA temp MiB from "
+      f"(`jax.clear_caches()`), median of {reps}; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
       results)
