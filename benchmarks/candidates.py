@@ -192,6 +192,26 @@ def lm_candidates(cfg: models.LMConfig, impls: Sequence[str] = IMPLS,
           for label in policies for impl in IMPLS if _wanted(impls, impl, label)]
 
 
+def eager_candidates(cfg: models.LMConfig, policies: Sequence[str] = POLICIES,
+                     seed: int = 0) -> list[Candidate]:
+  """The LM's forward pass called eagerly (no ``jit``): ``jaxamp.nnx.with_policy(model)``
+  against the model with ``dtype`` set by hand, one pair per policy. Each op dispatches
+  on its own, so this measures the wrapper's per-call Python work."""
+  batch = models.lm_batch(cfg, seed)
+  out = []
+  for label in policies:
+    if label not in _COMPUTE or _precision(label):
+      continue
+    amp = jaxamp.nnx.with_policy(models.GPT(cfg, dtype=None, rngs=nnx.Rngs(seed)),
+                                 _policy_name(label))
+    hand = models.GPT(cfg, dtype=_COMPUTE[label], rngs=nnx.Rngs(seed))
+    for impl, model in (("jaxamp", amp), ("hand-written Flax", hand)):
+      forward = lambda state, batch, model=model: (state, model(batch["ids"]))
+      out.append(Candidate(impl, label, forward, (), batch, None, None, cfg.tokens,
+                           call=forward))
+  return out
+
+
 # --- the parameter-heavy MLP (overhead only) -------------------------------------------------
 
 

@@ -58,12 +58,13 @@ from benchmarks.measure import (Lowering, compile_cost, lower_for,  # pylint: di
 # The overhead comparison runs first: on a 2-core CPU its ratio drifted when it followed
 # the ResNet-50 section (whose compiled programs and buffers it then shares the process
 # with), while measured first or alone it agreed across runs.
-SECTIONS = ("overhead", "compile", "lm", "resnet", "matmul")
+SECTIONS = ("overhead", "eager", "compile", "lm", "resnet", "matmul")
 # Command-line spellings of the implementations and policy labels.
 IMPL_FLAGS = dict(zip(("jaxamp", "hand", "keras"), candidates.IMPLS))
 POLICY_FLAGS = dict(zip(("float32", "float32-highest", "mixed_bfloat16", "mixed_float16"),
                         candidates.POLICIES))
 OVERHEAD_LIMIT = 1.03
+EAGER_LIMIT = 1.10  # issue 12: an eager policy-wrapped call / the hand-set model's
 COMPILE_LIMITS = {"time": 1.15, "temp": 1.02}  # issue 12: jaxamp / hand-written
 
 
@@ -197,22 +198,41 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       results, notes=notes)
 
 
+def _eager_section(size: Size, policies, args) -> report.Section:
+  cfg = size.lm
+  results = measure(candidates.eager_candidates(cfg, policies), warmup=args.warmup,
+                    rounds=args.overhead_rounds, steps=args.overhead_steps, aot=False,
+                    inspect=False, pairs=True)
+  return report.Section(
+      "eager", "Eager calls: policy-wrapped model vs hand-set (issue 12)",
+      f"The transformer LM of the `lm` section (dim {cfg.dim}, {cfg.layers} layers, batch "
+      f"{cfg.batch} × {cfg.seq_len}), forward pass only, called without `jit`: "
+      "`jaxamp.nnx.with_policy(model, policy)(ids)` against the same model with `dtype` "
+      "set by hand on every layer. Every op dispatches on its own, so the ratio is the "
+      "wrapper's Python work per call over the model's. Interleaved rounds "
+      f"({args.overhead_rounds} × {args.overhead_steps} calls), median of per-round ratios.",
+      results, notes=[f"Target: ≤ {EAGER_LIMIT}."])
+
+
 def _compile_section(size: Size, policies, args) -> report.Section:
+  reps = getattr(args, "compile_reps", None) or size.compile_reps
   results = []
   for layers in size.compile_layers:
     cfg = dataclasses.replace(size.lm, layers=layers)
     for policy in policies:
       for c in candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]):
         print(f"  {layers} layers: {c.name}")
-        results.append(compile_cost(c, layers, size.compile_reps))
+        results.append(compile_cost(c, layers, reps))
         c.state = None
   return report.Section(
       "compile", "First-call cost: trace, lower, compile (issue 12)",
       f"The transformer LM of the `lm` section (dim {size.lm.dim}, batch {size.lm.batch} × "
       f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
       "`jax.jit(step).trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's "
-      "`train.step` and of the hand-written step, each from cold caches "
-      f"(`jax.clear_caches()`), median of {size.compile_reps}; XLA temp MiB from "
+      "`train.step` and of the hand-written step in CPU seconds of the process "
+      "(`time.process_time`, all threads; other load on the machine does not count), "
+      "each from cold caches "
+      f"(`jax.clear_caches()`), median of {reps}; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
       results)
@@ -248,7 +268,7 @@ def _lower_only(size: Size, impls, args) -> list[Lowering]:
 def _notes(sections: list[report.Section]) -> None:
   if jax.default_backend() == "cpu":
     for s in sections:
-      if s.key not in ("overhead", "compile"):
+      if s.key not in ("overhead", "eager", "compile"):
         s.notes.append("On CPU, XLA computes bfloat16 dots by converting to float32 and "
                        "float16 has no fast path, so mixed precision saves memory here, "
                        "not time; float32 HIGHEST equals float32.")
@@ -303,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--steps", type=int, help="steps per candidate per round")
   parser.add_argument("--overhead-rounds", type=int, help="rounds of the overhead section")
   parser.add_argument("--overhead-steps", type=int, help="steps per round, overhead section")
+  parser.add_argument("--compile-reps", type=int,
+                      help="cold-cache repetitions per candidate, compile section")
   parser.add_argument("--merge", action="store_true",
                       help="keep the sections of --out/results.json that this run does not "
                            "measure (they must come from the same machine)")
@@ -319,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.steps = size.steps if args.steps is None else args.steps
   args.overhead_rounds = args.overhead_rounds or size.overhead_rounds
   args.overhead_steps = args.overhead_steps or size.overhead_steps
+  args.compile_reps = args.compile_reps or size.compile_reps
   args.policies = [POLICY_FLAGS[p] for p in args.policies]
   impls = [IMPL_FLAGS[i] for i in args.impls if not (args.no_keras and i == "keras")]
   keras_note = "left out with --no-keras" if args.no_keras else None
@@ -354,6 +377,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sections.append(_resnet_section(size, impls, args.policies, args))
       elif key == "matmul":
         sections.append(_matmul_section(size, args.policies, args))
+      elif key == "eager":
+        sections.append(_eager_section(
+            size, [p for p in args.policies if p != "float32 HIGHEST"], args))
       elif key == "compile":
         sections.append(_compile_section(
             size, [p for p in args.policies if p != "float32 HIGHEST"], args))
@@ -371,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.out.mkdir(parents=True, exist_ok=True)
   chart = "results.png" if report.write_chart(args.out / "results.png", sections, info) else None
   report.write_markdown(args.out / "RESULTS.md", info, sections, settings, chart,
-                        OVERHEAD_LIMIT, COMPILE_LIMITS)
+                        OVERHEAD_LIMIT, COMPILE_LIMITS, EAGER_LIMIT)
   report.write_json(args.out / "results.json", info, sections, settings)
   print(f"wrote {args.out / 'RESULTS.md'} ({settings['seconds']} s)")
   return {"machine": info, "settings": settings, "sections": {s.key: s for s in sections}}

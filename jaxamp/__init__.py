@@ -26,6 +26,7 @@ from jaxamp.policy import (
     policy_scope,
     set_global_policy,
 )
+from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
 from jaxamp.inference import convert_for_inference
 from jaxamp.summary import Summary, SummaryRow, summary
@@ -84,6 +85,8 @@ __all__ = [
     "TrainStep",
     "abstract_state",
     "make_train_step",
+    "annotated",
+    "fsdp",
     "Summary",
     "SummaryRow",
     "convert_for_inference",

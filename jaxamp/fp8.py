@@ -392,6 +392,17 @@ def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
   return out
 
 
+def reduce_state(new: Mapping[str, Fp8Meta] | None, old: Mapping[str, Fp8Meta] | None,
+                 recipes: Mapping[str, Fp8Recipe], axes: Any) -> dict[str, Fp8Meta] | None:
+  """Inside ``shard_map``: each device's newest amaxes maxed over ``axes`` and the scales
+  recomputed from them, so every device quantizes with the same scales next step (what
+  Transformer Engine's amax all-reduce does)."""
+  if not new:
+    return new
+  return {path: update_scales(Fp8Meta(lax.pmax(meta.amax_history, axes), old[path].scale),
+                              recipes[path]) for path, meta in new.items()}
+
+
 # --- which modules run in FP8 -------------------------------------------------------------
 
 

@@ -36,8 +36,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -193,22 +196,71 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: _unscale_leaf(g, scale), grads)
 
 
-def unscaled_norm_and_finite(grads: Any, scale: jax.Array
+def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
                              ) -> tuple[Any, jax.Array, jax.Array]:
   """``unscale(grads, scale)``, its global norm and whether all of it is finite.
 
   One reduction gives both: a finite sum of squares means every element is finite. Only
   when it is not (an inf or NaN, or squares past the float32 range) does an exact check
   run, so the answer is exactly ``all_finite(unscale(grads, scale))``, the loss scale's
-  own test.
+  own test. ``scale=None``: the gradients were never scaled (no division is traced).
   """
-  unscaled = unscale(grads, scale)
-  squares = [jnp.sum(jnp.square(x.astype(jnp.float32)))
-             for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
+  unscaled = grads if scale is None else unscale(grads, scale)
+  leaves = [x for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
+  squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
   total = functools.reduce(jnp.add, squares, jnp.zeros([], jnp.float32))
   finite = jax.lax.cond(jnp.isfinite(total), lambda: jnp.asarray(True),
-                        lambda: all_finite(unscaled))
+                        lambda: all_finite(leaves))
   return unscaled, jnp.sqrt(total), finite
+
+
+_rules_seen = threading.local()
+
+
+@contextlib.contextmanager
+def _seen_rules() -> Any:
+  """Collects the update functions of the loss scales whose ``init`` runs in the block."""
+  previous = getattr(_rules_seen, "found", None)
+  _rules_seen.found = found = []
+  try:
+    yield found
+  finally:
+    _rules_seen.found = previous
+
+
+def _on_plain_path(opt_state: Any) -> int:
+  """How many loss-scale states ``opt_state`` holds on a path of plain containers:
+  chains (tuples, lists), ``named_chain`` (dicts) and :func:`skip_nonfinite`."""
+  if isinstance(opt_state, LossScaleState):
+    return 1
+  if isinstance(opt_state, SkipNonfiniteState):
+    return _on_plain_path(opt_state.inner_state)
+  if isinstance(opt_state, dict):
+    return sum(_on_plain_path(v) for v in opt_state.values())
+  if type(opt_state) in (tuple, list):
+    return sum(_on_plain_path(v) for v in opt_state)
+  return 0
+
+
+def overflow_rule(optimizer: optax.GradientTransformation, params: Any
+                  ) -> Callable[[LossScaleState], LossScaleState] | None:
+  """What ``optimizer``'s loss scale does to its state on a non-finite step, as a
+  function of the state alone, or None if that cannot be known without running the
+  whole update.
+
+  Known when ``optimizer`` holds exactly one loss scale of this module, reached through
+  chains, ``named_chain`` and :func:`skip_nonfinite` only (wrappers such as
+  ``inject_hyperparams`` keep state of their own that a skipped update also moves).
+  Then, on a non-finite step, ``skip_nonfinite(optimizer)`` leaves every other leaf as it
+  was, and a train step needs only this rule, not a trace of the whole update.
+  """
+  with _seen_rules() as found:
+    shapes = jax.eval_shape(optimizer.init, params)
+  if len(found) != 1 or len(_loss_scale_states(shapes)) != 1 or _on_plain_path(shapes) != 1:
+    return None
+  update = found[0]
+  flags = {GRADS_FINITE: False, GRADS_UNSCALED: True}
+  return lambda state: update((), state, **flags)[1]
 
 
 def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
@@ -227,6 +279,8 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
 
   def init_fn(params: Any) -> LossScaleState:
     del params
+    if getattr(_rules_seen, "found", None) is not None:  # see overflow_rule
+      _rules_seen.found.append(update_fn)
     return LossScaleState(scale=jnp.asarray(initial_scale, jnp.float32),
                           growth_count=jnp.zeros([], jnp.int32),
                           finite=jnp.asarray(True),

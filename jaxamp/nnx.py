@@ -87,6 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importable)
+from flax.nnx import graph as _graph
 
 from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
@@ -148,10 +149,33 @@ def _base_class(cls: type) -> type:
   return cls.__dict__.get("_jaxamp_base", cls)
 
 
+def _iter_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+  """``(path, module)`` for every module under ``root``, exactly as ``nnx.iter_graph``
+  yields them (same paths, same order, shared modules once), without visiting Variables
+  and leaves: it runs on every wrapper call, and ``iter_graph`` spends most of its time
+  on the Variables' own contents."""
+  visited: set[int] = set()
+  stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), root, False)]
+  while stack:
+    path, node, traversed = stack.pop()
+    if traversed:
+      if isinstance(node, nnx.Module):
+        yield path, node
+      continue
+    if isinstance(node, nnx.Variable) or not _graph.is_node(node) or id(node) in visited:
+      continue
+    visited.add(id(node))
+    impl = _graph.get_node_impl(node)
+    if impl is None:
+      continue
+    stack.append((path, node, True))
+    for key, child in reversed(impl.node_dict(node).items()):
+      stack.append(((*path, key), child, False))
+
+
 def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], Any, Policy]]:
   """(path, module, policy) for every module of ``model``, in ``nnx.iter_graph`` order."""
-  modules = [(path, node) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Module)]
+  modules = list(_iter_modules(model))
   resolved = resolve_tree([(path, _base_class(type(node))) for path, node in modules], policy)
   return [(path, node, resolved[path]) for path, node in modules]
 

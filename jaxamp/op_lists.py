@@ -64,6 +64,10 @@ Differences, on purpose: softmax, log_softmax, layer/group norm and the losses a
 not primitives in JAX; they decompose into ``exp``, ``reduce_sum``, ``rsqrt``, ``log``
 which the lists put in float32, so they run in float32 as in torch. ``square`` and
 ``integer_pow`` are float32 like torch's ``pow`` (``x**2`` overflows float16 above 256).
+That keeps ``jax.nn.gelu`` in float32 under float16 (torch's fused GELU computes in
+float32 inside too): in float16 the backward pass of its ``x**3`` overflows while tanh'
+is exactly 0, so a hand-set float16 model gets NaN gradients (0·inf) for any
+pre-activation with |x| >= ~150, at every loss scale.
 ``sqrt``, ``tanh``, ``logistic`` and ``erf`` are passthrough as in torch.
 
 Under bfloat16 the defaults are :data:`BFLOAT16_LISTS`: ``square`` and ``integer_pow``

@@ -37,6 +37,11 @@ so every device keeps the same loss scale. For several hosts, call
 ``jax.distributed.initialize()`` in each process first, build the mesh over
 ``jax.devices()`` and pass each host's part of the batch as a global array (e.g.
 ``jax.make_array_from_process_local_data``).
+
+Sharded: with ``param_sharding`` (:func:`jaxamp.fsdp`, :func:`jaxamp.annotated`, or
+``PartitionSpec`` s) the params, master weights and optimizer state stay sharded over the
+mesh; each step gathers the params in their compute dtype and reduce-scatters gradients
+in ``grad_reduce_dtype`` (see :mod:`jaxamp.sharding`).
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.core import meta as flax_meta
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
+from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import norm_defaults, path_name
 from jaxamp.summary import cast_module_params
@@ -115,14 +122,17 @@ def abstract_state(state: TrainState) -> TrainState:
     state: a :class:`TrainState` (or any pytree of arrays).
 
   Returns:
-    The same structure with ``jax.ShapeDtypeStruct`` leaves.
+    The same structure with ``jax.ShapeDtypeStruct`` leaves; each array's carries its
+    sharding, so a sharded state is restored sharded (each device reads its slices).
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
     >>> jaxamp.abstract_state({'w': jnp.ones((2, 3))})['w'].shape
     (2, 3)
   """
-  return jax.eval_shape(lambda s: s, state)
+  # Concrete shardings: eval_shape's may name an abstract mesh, which a restore cannot use.
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else jax.eval_shape(lambda y: y, x), state)
 
 
 def _is_key(x: Any) -> bool:
@@ -293,6 +303,46 @@ class _LinenAdapter:
     return self.module, {"params": state.params, **state.model_state}
 
 
+def _place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)``, also where a sharding spans other processes.
+
+  There device_put refuses an array committed to one local device; every process holds
+  the same value (same seed, same model), so each places its slices from a host copy.
+  """
+
+  def one(x: Any, sharding: Any) -> Any:
+    if (not isinstance(x, jax.Array) or sharding.is_fully_addressable
+        or not x.is_fully_addressable):
+      return jax.device_put(x, sharding)
+    if _is_key(x):
+      data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sharding)
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.Array, Any]:
+  """Inside ``shard_map``: the step key and the key streams the model carries (NNX Rngs)
+  with this device's index on ``axes`` folded in, so each device draws its own dropout
+  masks. :func:`_shared_keys` hands the shared keys back afterwards."""
+  index = jax.lax.axis_index(axes)
+  keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
+                      model_state)
+  return jax.random.fold_in(rng, index), keys
+
+
+def _shared_keys(new_state: Any, model_state: Any) -> Any:
+  """``new_state`` with the model's PRNG keys as they were before the per-device fold."""
+  return jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
+
+
+def _mean_floats(tree: Any, axes: Any) -> Any:
+  """Inside ``shard_map``: floating leaves averaged over ``axes``, the rest as they are."""
+  return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
+                      if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
+
+
 def _float16_leaves(params: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(params) if x.dtype == jnp.float16]
 
@@ -323,6 +373,8 @@ class TrainStep:
     master_weights: whether the optimizer updates float32 master weights; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
+      like the params) once :meth:`init` has run; else None.
   """
 
   def __init__(self, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -330,12 +382,19 @@ class TrainStep:
                batch_axis: str, donate: bool, grad_reduce_dtype: Any,
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
                eval_fn: Callable[..., Any] | None, seed: int, level: Any = None,
-               recompute_norms: bool = False):
+               recompute_norms: bool = False, param_sharding: Any = None):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
-    if mesh is not None and batch_axis not in mesh.axis_names:
-      raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh; its axes are "
-                       f"{tuple(mesh.axis_names)}.")
+    batch_axes = sharding_lib._names(batch_axis)
+    if mesh is not None:
+      for name in batch_axes:
+        if name not in mesh.axis_names:
+          raise ValueError(f"batch_axis {name!r} is not an axis of the mesh; its axes are "
+                           f"{tuple(mesh.axis_names)}.")
+    if param_sharding is not None and mesh is None:
+      raise ValueError("param_sharding needs a mesh: pass mesh=jax.make_mesh(...) with the "
+                       "axes the parameters are sharded over (e.g. jaxamp.fsdp('fsdp') "
+                       "needs an axis named 'fsdp').")
     _check_signature(loss_fn, "loss_fn")
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
@@ -347,6 +406,13 @@ class TrainStep:
     self.grad_accum_steps = grad_accum_steps
     self.mesh = mesh
     self.batch_axis = batch_axis
+    self._batch_axes = batch_axes
+    self.param_sharding = param_sharding
+    # Set by init when param_sharding is given: the specs of the params (a tree like
+    # them), the dtypes they are gathered in, and the shardings of the whole state.
+    self.param_specs: Any = None
+    self._gather_dtypes: Any = None
+    self._state_shardings: Any = None
     self.donate = donate
     if grad_reduce_dtype is None or not jnp.issubdtype(np.dtype(grad_reduce_dtype),
                                                         jnp.floating):
@@ -367,6 +433,7 @@ class TrainStep:
     self._step_jit: Any = None
     self._eval_jit: Any = None
     self._unit_scale = False  # the step inserted no_loss_scale(): no multiply, no divide
+    self._overflow = None  # the loss scale's rule for a skipped step (_build_optimizer)
     # The skeleton of the state init made, and the last state step returned (known good).
     self._expected: Any = None
     self._last_state: Any = None
@@ -431,8 +498,19 @@ class TrainStep:
                            "layers that keep FP8 state from them.")
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
+    if self.param_sharding is not None:
+      # Read the specs while Linen's partitioning boxes are still on, then drop them.
+      self.param_specs = sharding_lib.param_specs(self.param_sharding, params, self.mesh)
+      params, model_state = flax_meta.unbox((params, model_state))
     params = (self.policy.cast_to_param(params) if plan is None
               else cast_module_params(params, plan, lambda p: p.param_dtype))
+    if self.param_specs is not None:
+      # Each parameter is gathered in the compute dtype of the module owning it: the dtype
+      # the module casts it to anyway, so the cast before the gather changes no value.
+      compute = jax.eval_shape(lambda p: (
+          self.policy.cast_to_compute(p) if plan is None
+          else cast_module_params(p, plan, lambda q: q.compute_dtype)), params)
+      self._gather_dtypes = [x.dtype for x in jax.tree.leaves(compute)]
     if self._master_weights_arg is None:
       self.master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                                 for x in jax.tree.leaves(params))
@@ -449,15 +527,15 @@ class TrainStep:
     # FP8 amax histories and scales: their own field, out of the optimizer's reach.
     fp8_state = fp8_lib.init_state(plan) if plan is not None else {}
     self._fp8_recipes = fp8_lib.recipes_of(plan) if plan is not None else {}
-    if fp8_state and self.mesh is not None:
-      raise NotImplementedError("FP8 policies do not take a mesh yet (the amax histories "
-                                "would need a max across devices); train on one device, or "
-                                "use 'mixed_bfloat16' with the mesh.")
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        model_state=model_state, rng=jax.random.key(self.seed),
                        fp8=fp8_state or None)
+    if self.param_specs is not None:
+      self._state_shardings = self._shardings_of(state)
     self._compile()
-    if self.mesh is not None:
+    if self.param_specs is not None:
+      state = _place(state, self._state_shardings)
+    elif self.mesh is not None:
       state = jax.device_put(state, self._replicated())
     self._expected = abstract_state(state)
     self._last_state = None  # states made before this init must pass the check
@@ -495,7 +573,11 @@ class TrainStep:
       # scale a restored state holds (the loss scale returns it to 1).
       self._unit_scale = _ls.is_no_loss_scale(scale)
       tx = optax.chain(scale, tx)
-    return _ls.skip_nonfinite(tx)
+    tx = _ls.skip_nonfinite(tx)
+    # A skipped step moves only the loss scale; when that is all the optimizer's rule can
+    # do, the step traces the rule rather than a second, dead copy of the whole update.
+    self._overflow = _ls.overflow_rule(tx, params)
+    return tx
 
   def _replicated(self) -> Any:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -507,10 +589,43 @@ class TrainStep:
       self._eval_jit = jax.jit(self._eval_impl)
     else:
       repl = self._replicated()
-      data = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+      state = self._state_shardings if self.param_specs is not None else repl
+      data = self._batch_sharding()
       self._step_jit = jax.jit(self._step_impl, donate_argnums=donate,
-                               in_shardings=(repl, data), out_shardings=(repl, repl))
-      self._eval_jit = jax.jit(self._eval_impl, in_shardings=(repl, data))
+                               in_shardings=(state, data), out_shardings=(state, repl))
+      self._eval_jit = jax.jit(self._eval_impl, in_shardings=(state, data))
+
+  def _batch_sharding(self) -> Any:
+    return jax.sharding.NamedSharding(self.mesh,
+                                      jax.sharding.PartitionSpec(self._batch_axes))
+
+  def _shardings_of(self, state: TrainState) -> TrainState:
+    """Where each leaf of ``state`` lives: params by their specs, optimizer-state subtrees
+    shaped like the params (moments, master weights) likewise, the rest replicated."""
+    repl = self._replicated()
+    named = lambda spec: jax.sharding.NamedSharding(self.mesh, spec)
+    param_def = jax.tree.structure(state.params)
+    shapes = [np.shape(x) for x in jax.tree.leaves(state.params)]
+    spec_leaves = param_def.flatten_up_to(self.param_specs)
+
+    def mirrors(x: Any) -> bool:
+      try:
+        return jax.tree.structure(x) == param_def
+      except Exception:  # pylint: disable=broad-except
+        return False
+
+    def place(x: Any) -> Any:
+      if not mirrors(x):
+        return jax.tree.map(lambda _: repl, x)
+      # Same structure; a leaf of another shape (a factored statistic) is replicated.
+      leaves = [named(s) if np.shape(l) == shape else repl
+                for l, s, shape in zip(jax.tree.leaves(x), spec_leaves, shapes)]
+      return param_def.unflatten(leaves)
+
+    return TrainState(params=place(state.params),
+                      opt_state=jax.tree.map(place, state.opt_state, is_leaf=mirrors),
+                      step=repl, model_state=jax.tree.map(lambda _: repl, state.model_state),
+                      rng=repl, fp8=jax.tree.map(lambda _: repl, state.fp8))
 
   # -- public steps --
 
@@ -520,6 +635,8 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.step(...).")
     if state is not self._last_state:  # the step's own output needs no check
       self.check_state(state)
+      if self._state_shardings is not None:  # a restored or replicated state: lay it out
+        state = _place(state, self._state_shardings)
     new_state, metrics = self._step_jit(state, batch)
     self._last_state = new_state
     return new_state, metrics
@@ -557,6 +674,8 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
     if state is not self._last_state:
       self.check_state(state)
+      if self._state_shardings is not None:
+        state = _place(state, self._state_shardings)
     return self._eval_jit(state, batch)
 
   def model(self, state: TrainState) -> Any:
@@ -567,9 +686,11 @@ class TrainStep:
 
   # -- the traced bodies --
 
-  def _loss_and_grads(self, params, model_state, batch, rng, scale, fp8=None):
-    """Scaled-loss gradients over micro-batches, accumulated in float32, and the new
-    FP8 state (the cotangent of its histories carries the backward pass's amaxes)."""
+  def _loss_and_grads(self, params, model_state, batch, rng, scale, fp8=None,
+                      keep_float32=False):
+    """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
+    with ``keep_float32``), and the new FP8 state (the cotangent of its histories
+    carries the backward pass's amaxes)."""
     used: set[str] = set()  # FP8 modules that ran, known once traced
 
     def scaled_loss(p, f8, ms, mb, key):
@@ -614,50 +735,111 @@ class TrainStep:
     # Accumulated in float32. Master weights take them so; otherwise they go on in each
     # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
     # trace).
-    grads = jax.tree.map(lambda a, p: (a / k).astype(_F32 if self.master_weights else p.dtype),
-                         acc, params)
+    grads = jax.tree.map(lambda a, p: (a / k).astype(
+        _F32 if self.master_weights or keep_float32 else p.dtype), acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
                        else a[-1], auxes)
     return grads, jnp.mean(losses), aux, model_state, fp8
 
   def _reduce(self, grads, loss, aux, model_state):
-    axis = self.batch_axis
+    axis = self._batch_axes
     dt = self.grad_reduce_dtype
     grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axis).astype(g.dtype), grads)
-
-    def mean_floats(t):
-      return jax.tree.map(lambda a: jax.lax.pmean(a, axis)
-                          if jnp.issubdtype(a.dtype, jnp.inexact) else a, t)
-
-    return grads, jax.lax.pmean(loss, axis), mean_floats(aux), mean_floats(model_state)
+    return (grads, jax.lax.pmean(loss, axis), _mean_floats(aux, axis),
+            _mean_floats(model_state, axis))
 
   def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
     if self.mesh is None:
       return self._loss_and_grads(state.params, state.model_state, batch, rng, scale,
                                   state.fp8)
+    if self.param_specs is not None:
+      return self._sharded_grads(state, batch, scale, rng)
     P = jax.sharding.PartitionSpec
-    axis = self.batch_axis
+    axis = self._batch_axes
 
-    def local(params, model_state, batch, rng, scale):
-      index = jax.lax.axis_index(axis)
-      rng = jax.random.fold_in(rng, index)
-      # Each device draws its own dropout masks: fold its index into the key streams the
-      # model carries (NNX Rngs), then hand back the shared keys.
-      keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if _is_key(x) else x,
-                          model_state)
-      grads, loss, aux, new_state, _ = self._loss_and_grads(params, keys, batch, rng, scale)
-      new_state = jax.tree.map(lambda n, o: o if _is_key(o) else n, new_state, model_state)
-      return self._reduce(grads, loss, aux, new_state)
+    def local(params, model_state, batch, rng, scale, fp8):
+      rng, keys = _per_device_keys(rng, model_state, axis)
+      grads, loss, aux, new_state, new_fp8 = self._loss_and_grads(
+          params, keys, batch, rng, scale, fp8)
+      return (*self._reduce(grads, loss, aux, _shared_keys(new_state, model_state)),
+              fp8_lib.reduce_state(new_fp8, fp8, self._fp8_recipes, axis))
 
-    sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(axis), P(), P()),
+    sharded = jax.shard_map(local, mesh=self.mesh,
+                            in_specs=(P(), P(), P(axis), P(), P(), P()),
                             out_specs=P(), check_vma=False)
-    data = jax.sharding.NamedSharding(self.mesh, P(axis))
-    axis_type = dict(zip(self.mesh.axis_names, self.mesh.axis_types))[axis]
-    explicit = axis_type == jax.sharding.AxisType.Explicit
+    return sharded(state.params, state.model_state, self._put_batch(batch), rng, scale,
+                   state.fp8)
+
+  def _put_batch(self, batch: Any) -> Any:
+    data = self._batch_sharding()
+    types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+    explicit = any(types[a] == jax.sharding.AxisType.Explicit for a in self._batch_axes)
     # Explicit mesh axes take a reshard; Auto ones a sharding constraint.
     put = jax.reshard if explicit else jax.lax.with_sharding_constraint
-    batch = jax.tree.map(lambda x: put(x, data), batch)
-    return (*sharded(state.params, state.model_state, batch, rng, scale), state.fp8)
+    return jax.tree.map(lambda x: put(x, data), batch)
+
+  def _gather(self, params: Any) -> Any:
+    """Inside shard_map: each param slice cast to its compute dtype, then all-gathered."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(self.param_specs)
+    out = []
+    for x, spec, dtype in zip(leaves, specs, self._gather_dtypes):
+      x = x.astype(dtype) if is_floating_array(x) else x
+      for d, entry in enumerate(spec):
+        if entry is not None:
+          x = jax.lax.all_gather(x, sharding_lib._names(entry), axis=d, tiled=True)
+      out.append(x)
+    return treedef.unflatten(out)
+
+  def _reduce_scatter(self, grads: Any, params: Any) -> Any:
+    """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
+    over the batch axes and scattered to its param's layout, then averaged."""
+    axes = self._batch_axes
+    n = sharding_lib._axis_size(self.mesh, axes)
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = treedef.flatten_up_to(self.param_specs)
+    out = []
+    for g, spec, p in zip(leaves, specs, jax.tree.leaves(params)):
+      out_dtype = _F32 if self.master_weights else p.dtype
+      g = g.astype(self.grad_reduce_dtype)
+      summed: tuple[str, ...] = ()
+      for d, entry in enumerate(spec):
+        names = sharding_lib._names(entry)
+        if not names:
+          continue
+        if all(a in axes for a in names):
+          g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
+          summed += names
+        else:  # a storage-only axis: every device along it has the same gradient
+          size = g.shape[d] // sharding_lib._axis_size(self.mesh, names)
+          g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(names) * size, size, d)
+      rest = tuple(a for a in axes if a not in summed)
+      if rest:
+        g = jax.lax.psum(g, rest)
+      out.append((g / n).astype(out_dtype))
+    return treedef.unflatten(out)
+
+  def _sharded_grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
+    P = jax.sharding.PartitionSpec
+    axes = self._batch_axes
+
+    def local(params, model_state, batch, rng, scale, fp8):
+      rng, keys = _per_device_keys(rng, model_state, axes)
+      full = self._gather(params)
+      grads, loss, aux, new_state, new_fp8 = self._loss_and_grads(
+          full, keys, batch, rng, scale, fp8, keep_float32=True)
+      new_state = _shared_keys(new_state, model_state)
+      grads = self._reduce_scatter(grads, params)
+      return (grads, jax.lax.pmean(loss, axes), _mean_floats(aux, axes),
+              _mean_floats(new_state, axes),
+              fp8_lib.reduce_state(new_fp8, fp8, self._fp8_recipes, axes))
+
+    specs = self.param_specs
+    sharded = jax.shard_map(local, mesh=self.mesh,
+                            in_specs=(specs, P(), P(axes), P(), P(), P()),
+                            out_specs=(specs, P(), P(), P(), P()), check_vma=False)
+    return sharded(state.params, state.model_state, self._put_batch(batch), rng, scale,
+                   state.fp8)
 
   @staticmethod
   def _call_user(fn: Callable[..., Any], model: Any, batch: Any) -> Any:
@@ -698,7 +880,8 @@ class TrainStep:
     # the update then runs only on a finite step (lax.cond, not a select over every
     # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
     # select keeps old and new copies of everything alive).
-    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(opt_grads, scale)
+    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
+        opt_grads, None if self._unit_scale else scale)
 
     def apply(_):
       opt_state, params = self._update(state, opt_grads, finite=True)
@@ -713,8 +896,13 @@ class TrainStep:
               keep(next_rng, state.rng), keep(fp8, state.fp8), params_finite)
 
     def skip(_):
-      # Only the loss scale moves (it backs off); the rest of the update is dead code.
-      opt_state, _ = self._update(state, opt_grads, finite=False)
+      # Only the loss scale moves (it backs off); the rest of the state is kept.
+      if self._overflow is not None:
+        opt_state = jax.tree.map(
+            lambda s: self._overflow(s) if isinstance(s, _ls.LossScaleState) else s,
+            state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
+      else:
+        opt_state, _ = self._update(state, opt_grads, finite=False)
       return (state.params, opt_state, state.model_state, state.rng, state.fp8,
               jnp.asarray(True))
 
@@ -763,13 +951,23 @@ class TrainStep:
     return _ls.all_finite(half) if half else None
 
   def _eval_impl(self, state: TrainState, batch: Any):
+    params = state.params
+    if self.param_specs is not None:
+      # Gathered in the compute dtype, as the step gathers them; then run data parallel.
+      leaves, treedef = jax.tree.flatten(params)
+      repl = self._replicated()
+      explicit = set(self.mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+      put = jax.reshard if explicit else jax.lax.with_sharding_constraint
+      params = treedef.unflatten([put(x.astype(dt) if is_floating_array(x) else x, repl)
+                                  for x, dt in zip(leaves, self._gather_dtypes)])
+
     def run(params, model_state, batch):
       model, _ = self._adapter.bind(params, model_state, state.rng, self.policy, train=False,
                                     float32_outputs=self.float32_outputs)
       return cast_floating(self._call_user(self.eval_fn, model, batch), _F32)
 
     with self._level_rules(), fp8_lib.state_scope(state.fp8):
-      return self._autocast(run)(state.params, state.model_state, batch)
+      return self._autocast(run)(params, state.model_state, batch)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -779,7 +977,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     master_weights: bool | None = None, float32_outputs: bool = True,
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
                     seed: int = 0, opt_level: Any = None,
-                    recompute_norms: bool = False) -> TrainStep:
+                    recompute_norms: bool = False,
+                    param_sharding: Any = None) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -797,10 +996,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
       scale updates once per step and the whole step is skipped if any micro-batch
       overflows. Floating aux values are averaged over micro-batches.
-    mesh: a ``jax.sharding.Mesh`` for data parallelism, or None.
-    batch_axis: the mesh axis the batch is split on.
+    mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
+    batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
+      their product, e.g. ``('data', 'fsdp')``).
     donate: donate the input state's buffers to the step.
-    grad_reduce_dtype: dtype of the cross-device gradient mean.
+    grad_reduce_dtype: dtype of the cross-device gradient mean (reduce-scatter with
+      ``param_sharding``).
     master_weights: keep float32 master weights in the optimizer state; default (None):
       on when ``init`` stores any parameter in a half dtype (``'float16'`` and
       ``'bfloat16'`` policies, or rules giving some modules half params).
@@ -817,6 +1018,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     recompute_norms: recompute norms that compute wider than their inputs in the
       backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
       time. Off by default.
+    param_sharding: shard the params, master weights and optimizer state over ``mesh``:
+      :func:`jaxamp.fsdp` (each large param split over an axis), :func:`jaxamp.annotated`
+      (the model's NNX/Linen partitioning annotations, with logical axis rules), or a
+      pytree of ``PartitionSpec`` like the params. Each step gathers the params in their
+      compute dtype and reduce-scatters gradients in ``grad_reduce_dtype``; see
+      :mod:`jaxamp.sharding`. None (default): params replicated.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
@@ -841,4 +1048,4 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,
                    master_weights=master_weights, float32_outputs=float32_outputs,
                    debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level,
-                   recompute_norms=recompute_norms)
+                   recompute_norms=recompute_norms, param_sharding=param_sharding)

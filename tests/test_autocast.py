@@ -674,6 +674,23 @@ def test_transformer_casts_and_residuals_at_most_hand_set(losses):
   assert 0 < auto.residual_bytes <= by_hand.residual_bytes
 
 
+def test_float16_gelu_keeps_its_powers_in_float32_so_gradients_stay_finite():
+  """Why float16 O1 keeps ``jax.nn.gelu``'s ``x**3`` in float32 (and so casts more bytes
+  than a hand-set float16 model): in float16 the backward pass of ``x**3`` overflows
+  (3x² > 65504) while tanh' is exactly 0, and 0·inf gives a NaN gradient for any
+  pre-activation |x| >= ~150. A hand-set float16 model has that NaN, which dynamic loss
+  scaling cannot cure (it skips the step at every scale); autocast does not."""
+  x = jnp.array([1.0, 150.0, -200.0, 300.0], jnp.float32)
+  grad = lambda f, x: jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))(x)
+  by_hand = grad(jax.nn.gelu, x.astype(jnp.float16))
+  assert not bool(jnp.all(jnp.isfinite(by_hand)))  # the hazard, reproduced
+  auto = grad(jaxamp.autocast(lambda x: jax.nn.gelu(x @ jnp.eye(4, dtype=x.dtype)),
+                              "mixed_float16"), x[None])
+  assert bool(jnp.all(jnp.isfinite(auto)))
+  np.testing.assert_allclose(np.asarray(auto[0], np.float32),
+                             np.asarray(grad(jax.nn.gelu, x), np.float32), atol=2e-3)
+
+
 # --- overhead --------------------------------------------------------------------------------
 
 def test_no_work_beyond_the_casts():

@@ -160,7 +160,7 @@ def _benchmarks():
 def test_benchmark_harness_smoke(tmp_path):
   out = _benchmarks().run.main([
       "--size", "smoke", "--out", str(tmp_path), "--policies", "mixed_float16",
-      "--impls", "jaxamp", "--only", "lm", "matmul", "overhead", "--warmup", "1",
+      "--impls", "jaxamp", "--only", "lm", "matmul", "overhead", "eager", "--warmup", "1",
       "--rounds", "2", "--steps", "1"])
   (m,) = out["sections"]["lm"].results
   assert (m.impl, m.policy, m.error) == ("jaxamp", "mixed_float16", None)
@@ -180,6 +180,10 @@ def test_benchmark_harness_smoke(tmp_path):
   assert pairs == [(impl, f"{model} · mixed_float16") for model in models
                    for impl in ("jaxamp", "hand-written Flax")]
   assert all(len(m.round_step_s) == 2 for m in overhead)
+  eager = out["sections"]["eager"].results  # the LM forward without jit, one pair
+  assert [(m.impl, m.policy, m.error) for m in eager] == [
+      ("jaxamp", "mixed_float16", None), ("hand-written Flax", "mixed_float16", None)]
+  assert all(len(m.round_step_s) == 2 and min(m.round_step_s) > 0 for m in eager)
 
   text = (tmp_path / "RESULTS.md").read_text()
   assert out["machine"]["cpu"] in text and f"jax / jaxlib | {jax.__version__}" in text
@@ -194,6 +198,13 @@ def test_benchmark_harness_smoke(tmp_path):
   data = json.loads((tmp_path / "results.json").read_text())
   assert data["machine"]["backend"] == jax.default_backend()
   assert data["sections"]["lm"]["results"][0]["half_share"] == 1.0
+  # What --merge keeps reads back as it was measured.
+  info, kept = _benchmarks().report.read_sections(tmp_path / "results.json")
+  assert info["device"] == out["machine"]["device"] and set(kept) == set(out["sections"])
+  for key, section in out["sections"].items():
+    assert [m.round_step_s for m in kept[key].results] == [
+        m.round_step_s for m in section.results]
+    assert kept[key].notes == section.notes
   assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
 
 

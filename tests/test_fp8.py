@@ -323,7 +323,76 @@ def test_small_transformer_trains_close_to_bfloat16():
 def test_unsupported_combinations_are_refused():
   with pytest.raises(ValueError, match="autocast does not run FP8"):
     jaxamp.autocast(lambda x: x @ x, "mixed_fp8")
-  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
-                                 policy="mixed_fp8", mesh=jax.make_mesh((1,), ("data",)))
-  with pytest.raises(NotImplementedError, match="mesh"):
-    train.init(_mlp())
+
+
+# --- with a mesh ----------------------------------------------------------------------------
+
+_MESH_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+import warnings
+warnings.filterwarnings("ignore")
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import jaxamp
+
+assert jax.device_count() == 4
+rng = np.random.RandomState(0)
+# The largest input row is the last one: on the last device, not on device 0.
+x = rng.randn(8, 8).astype(np.float32) * np.linspace(1, 4, 8, dtype=np.float32)[:, None]
+c = rng.randn(8, 3).astype(np.float32) * np.linspace(1, 3, 8, dtype=np.float32)[:, None]
+batch = {{"x": jnp.asarray(x), "c": jnp.asarray(c)}}
+policy = jaxamp.Policy(jnp.float32, jnp.float32, fp8=jaxamp.DelayedScaling(amax_history_len=4))
+
+def run(divide, **kw):
+  # loss = sum(y * c) / divide: the output gradient is c / divide, row by row.
+  train = jaxamp.make_train_step(lambda m, b: jnp.sum(m(b["x"]) * b["c"]) / divide,
+                                 optax.sgd(0.01), policy=policy, **kw)
+  state = train.init(nnx.Linear(8, 3, use_bias=False, rngs=nnx.Rngs(0)))
+  for _ in range(2):
+    state, _ = train.step(state, batch)
+  return state
+
+# Data parallel: each device's loss is its shard's sum, and the step averages the
+# gradients over 4 devices: one device dividing by 4 takes the same steps.
+single = run(4.0)
+mesh = jax.make_mesh((4,), ("data",))
+for name, kw in [("replicated", {{}}), ("fsdp", {{"param_sharding": jaxamp.fsdp("data", min_size=1)}})]:
+  state = run(1.0, mesh=mesh, **kw)
+  meta, ref = state.fp8[""], single.fp8[""]
+  hist, ref_hist = np.asarray(meta.amax_history), np.asarray(ref.amax_history)
+  # input and kernel amaxes: the whole batch's, on every device (maxed across them)
+  np.testing.assert_array_equal(hist[:2], ref_hist[:2])
+  assert hist[0, 0] == np.abs(x).max(), (hist, np.abs(x).max())
+  # the gradient amax: 4x the single device's (it divided by 4), exactly
+  np.testing.assert_array_equal(hist[2], 4 * ref_hist[2])
+  np.testing.assert_array_equal(np.asarray(meta.scale)[:2], np.asarray(ref.scale)[:2])
+  np.testing.assert_array_equal(np.asarray(meta.scale)[2], np.asarray(ref.scale)[2] / 4)
+  # one state on every device
+  for shard in meta.amax_history.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), hist)
+  np.testing.assert_allclose(np.asarray(state.params["kernel"]),
+                             np.asarray(single.params["kernel"]), rtol=1e-5, atol=1e-6)
+  print(name, "ok")
+print("FP8-MESH-OK")
+"""
+
+
+def test_fp8_with_a_mesh_maxes_amaxes_across_devices(tmp_path):
+  """Data parallel and FSDP on 4 CPU devices: the amaxes are the whole batch's (each
+  device's maxed over the mesh), every device holds the same FP8 state, and the steps
+  equal one device's."""
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "fp8_mesh.py"
+  script.write_text(_MESH_SCRIPT.format(root=root))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                       "--xla_backend_optimization_level=0")
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        env=env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "FP8-MESH-OK" in proc.stdout

@@ -625,3 +625,19 @@ def test_submodules_reached_through_the_wrapper_run_under_the_policy():
     assert amp.blocks[0].mlp.up(x).dtype == jnp.bfloat16
   assert model.head.kernel.get_value().dtype == jnp.float32
   assert model.head(x).dtype == jnp.float32  # the model itself is untouched
+
+
+def test_module_walk_matches_iter_graph():
+  """The wrapper's own module walk (it runs on every call; nnx.iter_graph also walks
+  every Variable) yields exactly iter_graph's modules: same paths, order, sharing."""
+  from jaxamp.nnx import _iter_modules  # pylint: disable=g-import-not-at-top
+
+  rngs = nnx.Rngs(0)
+  shared = nnx.Linear(2, 2, rngs=rngs)
+  models_ = [make("lm"), make("cnn"),
+             nnx.Sequential(shared, shared, nnx.List([shared, nnx.LayerNorm(2, rngs=rngs)])),
+             nnx.Dict(a=nnx.Linear(2, 2, rngs=rngs), b=nnx.BatchNorm(2, rngs=rngs))]
+  for model in models_:
+    expected = [(p, id(n)) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Module)]
+    assert [(p, id(n)) for p, n in _iter_modules(model)] == expected
+    assert len(expected) > 1

@@ -769,3 +769,65 @@ def test_wrapped_loss_scales_divide_exactly_once(wrap):
     train = jaxamp.make_train_step(loss_fn, make(), policy="float32")
     states.append(train.step(init(train, "nnx", batchnorm=False), batch)[0])
   assert_trees_equal(states[0].params, states[1].params)
+
+
+def _counting(tx, calls):
+  """``tx`` whose update counts how often it is traced or run."""
+  def update(updates, state, params=None, **extra):
+    calls.append(1)
+    return tx.update(updates, state, params)
+  return optax.GradientTransformation(tx.init, update)
+
+
+@pytest.mark.parametrize("chain", ["inserted", "user", "named", "inject"])
+def test_a_skipped_step_traces_only_the_loss_scale_rule(chain):
+  # The skip branch of the step's lax.cond needs the loss scale's backed-off state only:
+  # where that is all the optimizer's rule can do, the optimizer is traced once, not twice
+  # (the second copy was dead code that cost trace time). inject_hyperparams keeps a count
+  # of its own that a skipped update moves too: there the whole update is traced, and the
+  # skip still matches a plain skip_nonfinite update step for step.
+  calls = []
+  sgd = _counting(optax.sgd(0.1), calls)
+  ls = jaxamp.dynamic_loss_scale(initial_scale=8.0)
+  tx = {"inserted": sgd, "user": optax.chain(ls, sgd),
+        "named": optax.named_chain(("scale", ls), ("sgd", sgd)),
+        "inject": optax.inject_hyperparams(
+            lambda learning_rate: optax.chain(ls, _counting(optax.sgd(learning_rate), calls)))(
+                learning_rate=0.1)}[chain]
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16", donate=False)
+  before = init(train, "nnx", batchnorm=False)
+  calls.clear()
+  good, = make_batches(1)
+  bad = dict(good, x=np.full_like(good["x"], np.inf))
+  state, metrics = train.step(before, bad)
+  assert len(calls) == (2 if chain == "inject" else 1)
+  assert not bool(metrics["grads_finite"])
+  assert_trees_equal(state.params, before.params)
+  # What skip_nonfinite's own update does on an overflow, as the reference.
+  reference = jaxamp.skip_nonfinite(tx if chain != "inserted" else optax.chain(
+      jaxamp.dynamic_loss_scale(), sgd))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), before.params)
+  _, expected = reference.update(grads, before.opt_state, before.params)
+  assert_trees_equal(state.opt_state, expected)
+
+
+def test_overflow_rule_is_the_loss_scale_update_on_an_overflow():
+  ls = jaxamp.dynamic_loss_scale(initial_scale=64.0, backoff_factor=0.25, min_scale=8.0)
+  for tx in (ls, optax.chain(ls, optax.adam(1e-3)), jaxamp.skip_nonfinite(
+      optax.named_chain(("ls", ls), ("adam", optax.adam(1e-3))))):
+    rule = jaxamp.loss_scale.overflow_rule(tx, {"w": jnp.ones(3)})
+    state = ls.init(None)
+    scales = []
+    for _ in range(3):
+      state = rule(state)
+      scales.append(float(state.scale))
+    assert scales == [16.0, 8.0, 8.0]
+    assert int(state.overflow_steps) == 3 and int(state.growth_count) == 0
+    assert not bool(state.finite)
+  # Unknowable without the whole update: no loss scale, two, or one under a wrapper.
+  params = {"w": jnp.ones(3)}
+  assert jaxamp.loss_scale.overflow_rule(optax.sgd(0.1), params) is None
+  assert jaxamp.loss_scale.overflow_rule(optax.chain(ls, ls), params) is None
+  assert jaxamp.loss_scale.overflow_rule(optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(ls, optax.sgd(learning_rate)))(learning_rate=0.1),
+      params) is None

@@ -1,0 +1,310 @@
+"""Parameter sharding for the train step: FSDP over a mesh axis, or the model's annotations.
+
+A *param sharding* says how each parameter is laid out over a ``jax.sharding.Mesh``: a
+pytree of ``PartitionSpec`` shaped like the params, or a function ``(params, mesh) ->
+specs`` such as the presets here. :func:`jaxamp.make_train_step` takes one as
+``param_sharding=``; the params, float32 master weights and optimizer state are then
+stored sharded (each device holds its slice), and each step, per device:
+
+1. casts its param slices to the compute dtype of the module owning them, then
+   all-gathers them (so a ``mixed_bfloat16`` step gathers bfloat16: half the bytes);
+2. runs forward and backward on its part of the batch;
+3. casts the gradients to ``grad_reduce_dtype`` and reduce-scatters them back to the
+   params' layout (an all-reduce over batch axes a parameter is not sharded on).
+
+That is PyTorch FSDP's ``MixedPrecision(param_dtype=compute dtype,
+reduce_dtype=grad_reduce_dtype)`` written with ``jax.shard_map`` and ``lax`` collectives,
+so the dtypes on the wire are the ones chosen, not the partitioner's.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxamp.sharding import fsdp, param_specs
+  >>> mesh = jax.make_mesh((1,), ('fsdp',))
+  >>> params = {'kernel': jnp.ones((512, 8)), 'bias': jnp.ones(8)}
+  >>> specs = param_specs(fsdp('fsdp', min_size=1024), params, mesh)
+  >>> specs == {'kernel': jax.P('fsdp', None), 'bias': jax.P()}
+  True
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from flax.core import meta
+
+__all__ = ["ParamSharding", "fsdp", "annotated", "param_specs", "Collective", "collectives"]
+
+P = jax.sharding.PartitionSpec
+
+ParamSharding = Callable[[Any, jax.sharding.Mesh], Any]
+"""A function ``(params, mesh) -> pytree of PartitionSpec`` shaped like ``params``."""
+
+AxisNames = str | Sequence[str]
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a PartitionSpec names (None: none)."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _axis_size(mesh: jax.sharding.Mesh, names: Sequence[str]) -> int:
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
+  """Fully-sharded data parallel (ZeRO-3): each large parameter sharded over ``axis``.
+
+  Each floating parameter with at least ``min_size`` elements is split along its largest
+  dimension that the axis size divides (the first such on ties); smaller ones, and ones
+  with no divisible dimension, are replicated (their bytes are few; gathering them costs
+  more latency than it saves).
+
+  Args:
+    axis: a mesh axis name, or several (sharded over their product).
+    min_size: parameters with fewer elements stay replicated.
+
+  Returns:
+    A param sharding for ``make_train_step(param_sharding=...)``. The batch should be
+    split over ``axis`` too (``batch_axis=('data', 'fsdp')`` or ``batch_axis='fsdp'``):
+    a parameter sharded over a batch axis has its gradient reduce-scattered.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxamp
+    >>> mesh = jax.make_mesh((1,), ('fsdp',))
+    >>> jaxamp.fsdp(min_size=4)({'w': jnp.ones((3, 8))}, mesh) == {'w': jax.P(None, 'fsdp')}
+    True
+  """
+  names = _names(axis)
+  if not names:
+    raise ValueError("fsdp needs a mesh axis name, got none.")
+
+  def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
+    _check_axes(names, mesh, "fsdp axis")
+    n = _axis_size(mesh, names)
+    entry = names[0] if len(names) == 1 else names
+
+    def one(x: Any) -> P:
+      shape = np.shape(x)
+      dtype = getattr(x, "dtype", None) or np.result_type(x)
+      if not jnp.issubdtype(dtype, jnp.inexact) or math.prod(shape) < min_size:
+        return P()
+      dims = [d for d in range(len(shape)) if shape[d] % n == 0]
+      if not dims:
+        return P()
+      d = max(dims, key=lambda i: (shape[i], -i))
+      return P(*([None] * d), entry, *([None] * (len(shape) - d - 1)))
+
+    return jax.tree.map(one, meta.unbox(params))
+
+  return specs
+
+
+def annotated(rules: Sequence[tuple[str, Any]] | None = None) -> ParamSharding:
+  """The shardings the model declares: NNX ``sharding`` metadata, Linen boxes.
+
+  NNX parameters made with ``nnx.with_partitioning(init, names)`` (or ``nnx.Param(...,
+  sharding=names)``) and Linen ones made with ``nn.with_partitioning`` /
+  ``nn.with_logical_partitioning`` carry axis names. With ``rules`` (Flax logical axis
+  rules, ``[('embed', 'fsdp'), ('mlp', 'model'), ...]``; default: the rules set with
+  ``flax.linen.logical_axis_rules``, if any) the names are logical and are mapped to
+  mesh axes (a name with no rule is replicated); without, they are mesh axes.
+
+  Args:
+    rules: logical-to-mesh axis rules, or None.
+
+  Returns:
+    A param sharding for ``make_train_step(param_sharding=...)``. Unannotated
+    parameters are replicated.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxamp
+    >>> from flax import linen as nn
+    >>> init = nn.with_logical_partitioning(nn.initializers.ones, ('embed', 'mlp'))
+    >>> params = {'w': init(jax.random.key(0), (4, 8))}
+    >>> mesh = jax.make_mesh((1,), ('model',))
+    >>> jaxamp.annotated(rules=[('mlp', 'model')])(params, mesh) == {'w': jax.P(None, 'model')}
+    True
+  """
+
+  def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
+    del mesh  # param_specs checks the names against it
+    if isinstance(params, nnx.State):
+      declared = nnx.get_partition_spec(params)
+    else:
+      declared = nn.get_partition_spec(params)
+    given = rules if rules is not None else nn.get_logical_axis_rules()
+    if not given:
+      return declared
+    to_mesh = nn.logical_to_mesh_axes
+    return jax.tree.map(lambda s: P(*to_mesh(tuple(s), given)), declared, is_leaf=_is_spec)
+
+  return specs
+
+
+def _check_axes(names: Sequence[str], mesh: jax.sharding.Mesh, what: str) -> None:
+  for name in names:
+    if name not in mesh.axis_names:
+      raise ValueError(f"{what} {name!r} is not an axis of the mesh; its axes are "
+                       f"{tuple(mesh.axis_names)}.")
+
+
+def param_specs(param_sharding: ParamSharding | Any, params: Any,
+                mesh: jax.sharding.Mesh) -> Any:
+  """The checked ``PartitionSpec`` of every parameter.
+
+  Args:
+    param_sharding: a function ``(params, mesh) -> specs`` (:func:`fsdp`,
+      :func:`annotated`), or the specs themselves: a pytree of ``PartitionSpec`` shaped
+      like ``params``.
+    params: the parameters (Linen boxes are read, then unboxed).
+    mesh: the mesh.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``meta.unbox(params)``.
+
+  Raises:
+    ValueError: naming the parameter, if a spec names an axis the mesh lacks, uses one
+      twice, has more entries than the parameter has dimensions, or splits a dimension
+      its axes' size does not divide; or if the specs do not match the params' structure.
+  """
+  specs = param_sharding(params, mesh) if callable(param_sharding) else param_sharding
+  params = meta.unbox(params)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  try:
+    spec_leaves = treedef.flatten_up_to(specs)
+  except (ValueError, TypeError) as e:
+    raise ValueError("param_sharding gave specs that do not match the params' structure "
+                     f"({e}); give one PartitionSpec per parameter, or a function "
+                     "(params, mesh) -> specs such as jaxamp.fsdp().") from None
+  out = []
+  for (path, x), spec in zip(leaves, spec_leaves):
+    name = jax.tree_util.keystr(path)
+    if spec is None:
+      spec = P()
+    if not _is_spec(spec):
+      raise ValueError(f"param_sharding gave {spec!r} for parameter {name}; expected a "
+                       "jax.sharding.PartitionSpec.")
+    shape = np.shape(x)
+    if len(spec) > len(shape):
+      raise ValueError(f"Parameter {name} has shape {shape} but its spec {spec} names "
+                       f"{len(spec)} dimensions.")
+    seen: set[str] = set()
+    for d, entry in enumerate(spec):
+      names = _names(entry)
+      _check_axes(names, mesh, f"Parameter {name}'s spec {spec} names axis")
+      twice = seen & set(names) or {a for a in names if names.count(a) > 1}
+      if twice:
+        raise ValueError(f"Parameter {name}'s spec {spec} uses mesh axis "
+                         f"{sorted(twice)[0]!r} twice.")
+      seen |= set(names)
+      n = _axis_size(mesh, names)
+      if shape[d] % n:
+        raise ValueError(f"Parameter {name} has shape {shape}: dimension {d} ({shape[d]}) "
+                         f"is not divisible by the size {n} of mesh axes {names} its spec "
+                         f"{spec} splits it over. Replicate it (None) or pick a dividing "
+                         "axis.")
+    out.append(spec)
+  return treedef.unflatten(out)
+
+
+# --- reading what a compiled step communicates ---------------------------------------------
+
+
+class Collective(NamedTuple):
+  """One collective of a compiled program.
+
+  Attributes:
+    op: ``'all-gather'``, ``'reduce-scatter'``, ``'all-reduce'``, ``'all-to-all'`` or
+      ``'collective-permute'``.
+    dtype: element type of its result, as HLO spells it (``'bf16'``, ``'f32'``).
+    bytes: bytes of its result on one device (what it produces, not what it sends).
+  """
+
+  op: str
+  dtype: str
+  bytes: int
+
+
+_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_OP_RE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_OPS) + r")(?:-start)?\(")
+_ARRAY_RE = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_MLIR_OP_RE = re.compile(r'"?stablehlo\.(' + "|".join(o.replace("-", "_") for o in _OPS)
+                         + r')"?')
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+_MLIR_END_RE = re.compile(r"^\s*\}\)\s*:\s*\(")
+_TENSOR_RE = re.compile(r"tensor<((?:\d+x)*)(i1|[a-z]+\d+\w*)>")
+_ITEMSIZE = {"pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "s16": 2, "u16": 2, "i16": 2,
+             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "i32": 4, "f32": 4, "s64": 8, "u64": 8,
+             "i64": 8, "f64": 8}
+_MLIR_DTYPE = {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64"}
+
+
+def collectives(program_text: str) -> list[Collective]:
+  """The collectives in a program's text, one per array they produce.
+
+  Reads both the compiled HLO (``train.lower(state, batch).compile().as_text()``: what
+  the backend runs) and the lowered StableHLO (``train.lower(state, batch).as_text()``:
+  what jaxamp asked for, before the backend's passes; XLA:CPU, for one, promotes
+  bfloat16 collectives to float32). Combined collectives (a tuple result) count once per
+  array; an asynchronous pair (``all-gather-start`` / ``-done``) counts once.
+
+  Args:
+    program_text: HLO or StableHLO module text.
+
+  Returns:
+    A list of :class:`Collective`, dtypes spelled as HLO does (``'bf16'``, ``'f32'``).
+
+  Example:
+    >>> from jaxamp.sharding import collectives
+    >>> collectives('%ag = bf16[8,4]{1,0} all-gather(bf16[1,4]{1,0} %p), dimensions={0}')
+    [Collective(op='all-gather', dtype='bf16', bytes=64)]
+  """
+  if "stablehlo." in program_text:
+    return _mlir_collectives(program_text)
+  found = []
+  for line in program_text.splitlines():
+    line = _COMMENT_RE.sub("", line)  # long tuples carry /*index=5*/ comments
+    m = _OP_RE.search(line)
+    if m is None:
+      continue
+    result, op = m.groups()
+    arrays = _ARRAY_RE.findall(result)
+    if op + "-start(" in line and result.startswith("("):
+      arrays = arrays[len(arrays) // 2:]  # a start returns (operands..., results...)
+    found += [_collective(op, dtype, dims.split(",")) for dtype, dims in arrays]
+  return found
+
+
+def _collective(op: str, dtype: str, dims: Sequence[str]) -> Collective:
+  size = math.prod(int(d) for d in dims if d)
+  return Collective(op, _MLIR_DTYPE.get(dtype, dtype), size * _ITEMSIZE.get(dtype, 4))
+
+
+def _mlir_collectives(text: str) -> list[Collective]:
+  found = []
+  lines = text.splitlines()
+  for i, line in enumerate(lines):
+    m = _MLIR_OP_RE.search(line)
+    if m is None or "=" not in line.split("stablehlo.")[0]:
+      continue
+    op = m.group(1).replace("_", "-")
+    signature = line if "->" in line else next(
+        (l for l in lines[i + 1:] if _MLIR_END_RE.match(l)), "")
+    results = signature.rsplit("->", 1)[-1]
+    found += [_collective(op, dtype, dims.split("x")) for dims, dtype in
+              _TENSOR_RE.findall(results)]
+  return found

@@ -1,0 +1,343 @@
+"""Tests for jaxamp.sharding and sharded (FSDP / annotated) training in make_train_step.
+
+The multi-device checks run in subprocesses: 8 fake CPU devices in one process, and two
+processes of 2 CPU devices each joined by ``jax.distributed`` (gloo collectives).
+"""
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import jaxamp
+from jaxamp.sharding import Collective, collectives, fsdp, param_specs
+
+P = jax.sharding.PartitionSpec
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def abstract_mesh(sizes, names):
+  return jax.sharding.AbstractMesh(sizes, names)
+
+
+# --- specs, in process --------------------------------------------------------------------
+
+
+def test_fsdp_shards_the_largest_divisible_dim_and_replicates_small_leaves():
+  mesh = abstract_mesh((2, 4), ("data", "fsdp"))
+  params = {"emb": jnp.zeros((1000, 64)), "odd": jnp.zeros((6, 10)),
+            "w": jnp.zeros((12, 8)), "small": jnp.zeros((4,)), "step": jnp.zeros((64,), jnp.int32)}
+  specs = param_specs(fsdp("fsdp", min_size=32), params, mesh)
+  assert specs == {"emb": P("fsdp", None), "odd": P(), "w": P("fsdp", None),
+                   "small": P(), "step": P()}
+  # over two axes: their product (8) must divide the dimension
+  specs = param_specs(fsdp(("data", "fsdp"), min_size=32), params, mesh)
+  assert specs["emb"] == P(("data", "fsdp"), None) and specs["w"] == P(None, ("data", "fsdp"))
+
+
+def test_annotated_reads_linen_boxes_with_logical_rules():
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+      return nn.Dense(8, kernel_init=init)(x)
+
+  params = Mlp().init(jax.random.key(0), jnp.ones((2, 4)))["params"]
+  mesh = abstract_mesh((4, 2), ("data", "model"))
+  specs = param_specs(jaxamp.annotated(rules=[("embed", None), ("mlp", "model")]), params, mesh)
+  assert specs == {"Dense_0": {"kernel": P(None, "model"), "bias": P()}}
+  with pytest.raises(ValueError, match=r"names axis 'embed' is not an axis of the mesh; its "
+                     r"axes are \('data', 'model'\)"):
+    param_specs(jaxamp.annotated(), params, mesh)  # logical names without rules
+
+
+def test_bad_param_shardings_are_named():
+  mesh = abstract_mesh((4,), ("fsdp",))
+  params = {"w": jnp.zeros((6, 8))}
+  with pytest.raises(ValueError, match=r"fsdp axis 'model' is not an axis of the mesh; its "
+                     r"axes are \('fsdp',\)"):
+    param_specs(fsdp("model"), params, mesh)
+  with pytest.raises(ValueError, match=r"Parameter \['w'\] has shape \(6, 8\): dimension 0 "
+                     r"\(6\) is not divisible by the size 4"):
+    param_specs({"w": P("fsdp")}, params, mesh)
+  with pytest.raises(ValueError, match=r"names 3 dimensions"):
+    param_specs({"w": P(None, None, "fsdp")}, params, mesh)
+  with pytest.raises(ValueError, match="uses mesh axis 'fsdp' twice"):
+    param_specs({"w": P(None, ("fsdp", "fsdp"))}, {"w": jnp.zeros((6, 16))}, mesh)
+  with pytest.raises(ValueError, match="do not match the params' structure"):
+    param_specs({"v": P()}, params, mesh)
+  with pytest.raises(ValueError, match="expected a jax.sharding.PartitionSpec"):
+    param_specs({"w": "fsdp"}, params, mesh)
+  with pytest.raises(ValueError, match="param_sharding needs a mesh"):
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp())
+  with pytest.raises(ValueError, match="batch_axis 'fsdp' is not an axis of the mesh"):
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp(),
+                           mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
+
+
+def test_collectives_reads_hlo_and_stablehlo():
+  hlo = textwrap.dedent("""
+      %ag = bf16[8,4]{1,0} all-gather(bf16[1,4]{1,0} %p), dimensions={0}
+      %ar = (f32[4]{0}, f32[]) all-reduce(f32[4]{0} %a, f32[] %b), to_apply=%add
+      %rs = f32[2,4]{1,0} reduce-scatter(f32[16,4]{1,0} %g), dimensions={0}
+      %s = (bf16[1,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(bf16[1,4]{1,0} %q)
+      %d = bf16[8,4]{1,0} all-gather-done(%s)
+      %x = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %a)
+      %t = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[3]{0}) all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f)
+  """)
+  assert collectives(hlo) == [
+      Collective("all-gather", "bf16", 64), Collective("all-reduce", "f32", 16),
+      Collective("all-reduce", "f32", 4), Collective("reduce-scatter", "f32", 32),
+      Collective("all-gather", "bf16", 64)] + [Collective("all-reduce", "f32", 8)] * 5 + [
+      Collective("all-reduce", "f32", 12)]
+  mlir = textwrap.dedent("""
+      %1 = "stablehlo.all_gather"(%0) <{all_gather_dim = 0 : i64}> : (tensor<4xbf16>) -> tensor<16xbf16>
+      %2 = "stablehlo.reduce_scatter"(%1) <{scatter_dimension = 0 : i64}> ({
+      ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+        %3 = stablehlo.add %a, %b : tensor<f32>
+        stablehlo.return %3 : tensor<f32>
+      }) : (tensor<16x4xf32>) -> tensor<4x4xf32>
+  """)
+  assert collectives(mlir) == [Collective("all-gather", "bf16", 32),
+                               Collective("reduce-scatter", "f32", 64)]
+
+
+# --- 8 CPU devices, one process -----------------------------------------------------------
+
+_EIGHT_DEVICES = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import linen as nn, nnx
+    import jaxamp
+    from jaxamp.sharding import collectives
+    from test_train import loss_fn, init, make_batches, leaves
+    P = jax.sharding.PartitionSpec
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+    FSDP = dict(mesh=mesh, batch_axis=('data', 'fsdp'),
+                param_sharding=jaxamp.fsdp('fsdp', min_size=16))
+    batches = make_batches(3, size=32)
+    spec = lambda x: x.sharding.spec
+    local_bytes = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
+    global_bytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+
+    def make(policy, kw, **more):
+      tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**8), optax.adam(1e-2))
+      return jaxamp.make_train_step(loss_fn, tx, policy=policy, **kw, **more)
+
+    # 1. Layout: params and both Adam moments sharded alike; per device a quarter of
+    #    everything but the 4-element bias (replicated: below min_size).
+    train = make('mixed_bfloat16', FSDP)
+    state = init(train, 'nnx', batchnorm=False)
+    want = {{'l1': {{'kernel': P(None, 'fsdp'), 'bias': P('fsdp')}},
+             'l2': {{'kernel': P('fsdp', None), 'bias': P()}}}}
+    adam = optax.tree_utils.tree_get(state.opt_state, 'ScaleByAdamState')
+    for tree in (state.params, adam.mu, adam.nu):
+      assert jax.tree.map(spec, tree).to_pure_dict() == want, jax.tree.map(spec, tree)
+    # (8*16 + 16 + 16*4) / 4 + 4 floats per device, for params and each moment
+    assert local_bytes(state.params) == 4 * (208 // 4 + 4), local_bytes(state.params)
+    assert local_bytes((adam.mu, adam.nu)) == 2 * local_bytes(state.params)
+
+    # 2. Collectives, as lowered: params gathered in the compute dtype (bf16: half the
+    #    bytes of float32's), gradients reduce-scattered in grad_reduce_dtype.
+    def lowered(policy, compile=False, **more):
+      t = make(policy, FSDP, **more)
+      low = t.lower(init(t, 'nnx', batchnorm=False), batches[0])
+      if not compile:
+        return collectives(low.as_text())
+      return collectives(low.as_text()), collectives(low.compile().as_text())
+
+    def pick(found, op):
+      return [c for c in found if c.op == op]
+
+    f32 = lowered('float32')
+    mixed, mixed_compiled = lowered('mixed_bfloat16', compile=True)
+    mixed16 = lowered('mixed_bfloat16', grad_reduce_dtype=jnp.bfloat16)
+    ag32, agbf = pick(f32, 'all-gather'), pick(mixed, 'all-gather')
+    assert len(ag32) == len(agbf) == 3 and {{c.dtype for c in ag32}} == {{'f32'}}, f32
+    assert {{c.dtype for c in agbf}} == {{'bf16'}}, mixed
+    assert sum(c.bytes for c in agbf) * 2 == sum(c.bytes for c in ag32) == 4 * 208, (ag32, agbf)
+    for found, dtype in [(f32, 'f32'), (mixed, 'f32'), (mixed16, 'bf16')]:
+      rs = pick(found, 'reduce-scatter')
+      assert len(rs) == 3 and {{c.dtype for c in rs}} == {{dtype}}, found
+      # the 'data' axis: an all-reduce of each scattered gradient, same dtype
+      assert {{c.dtype for c in pick(found, 'all-reduce') if c.bytes > 4}} == {{dtype}}, found
+    # Compiled for CPU: the same gathers and scatters (element counts) run; XLA:CPU
+    # promotes bf16 collectives to f32, so the compiled dtypes are not asserted.
+    for op in ('all-gather', 'reduce-scatter'):
+      n = lambda cs: sorted(c.bytes // (2 if c.dtype == 'bf16' else 4) for c in cs)
+      assert n(pick(mixed, op)) == n(pick(mixed_compiled, op)), (op, mixed, mixed_compiled)
+    print('COLLECTIVES', sorted(set(agbf)), sorted(set(pick(mixed16, 'reduce-scatter'))))
+
+    # 3. Same training as one device; 4. an inf on one device skips the step exactly.
+    evals = {{}}
+    for policy, tol in [('float32', 1e-5), ('mixed_bfloat16', 2e-3)]:
+      out = {{}}
+      for name, kw in [('single', {{}}), ('fsdp', FSDP)]:
+        train = make(policy, kw)
+        state = init(train, 'nnx', batchnorm=False)
+        for b in batches[:2]:
+          state, metrics = train.step(state, b)
+        out[name] = (leaves(state.params), float(metrics['loss']),
+                     float(metrics['loss_scale']))
+        if policy == 'float32':
+          evals[name] = float(train.eval_step(state, batches[2]))
+      for a, b in zip(out['single'][0], out['fsdp'][0]):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+      np.testing.assert_allclose(out['single'][1], out['fsdp'][1], rtol=tol)
+      assert out['single'][2] == out['fsdp'][2] == 256.0
+      bad = dict(batches[0], x=batches[0]['x'].copy()); bad['x'][31, 0] = np.inf
+      before = leaves((state.params, optax.tree_utils.tree_get(state.opt_state,
+                                                               'ScaleByAdamState')))
+      state2, m2 = train.step(state, bad)  # only device 7 sees the inf
+      assert not bool(m2['grads_finite']) and float(m2['loss_scale']) == 128.0
+      after = leaves((state2.params, optax.tree_utils.tree_get(state2.opt_state,
+                                                               'ScaleByAdamState')))
+      for a, b in zip(before, after):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+      assert jax.tree.map(spec, state2.params).to_pure_dict() == want
+
+    # 5. Accumulation: two micro-batches per device, as on one device; on a mesh with
+    #    Auto axes (jax.make_mesh's default is Explicit, used everywhere else here).
+    auto = jax.make_mesh((2, 4), ('data', 'fsdp'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    out = []
+    for kw in ({{}}, dict(FSDP, mesh=auto)):
+      train = make('float32', kw, grad_accum_steps=2)
+      state, _ = train.step(init(train, 'nnx', batchnorm=False), batches[0])
+      out.append(leaves(state.params))
+    for a, b in zip(*out):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    # 7. The model's own annotations, on a 'model' axis the batch is not split on.
+    class Mlp(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        part = lambda names: nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                          names)
+        h = nn.relu(nn.Dense(16, kernel_init=part(('embed', 'mlp')))(x))
+        return nn.Dense(4, kernel_init=part(('mlp', 'embed')))(h)
+    tp_mesh = jax.make_mesh((4, 2), ('data', 'model'))
+    variables = Mlp().init(jax.random.key(0), jnp.zeros((2, 8)))
+    out = []
+    for kw in ({{}}, dict(mesh=tp_mesh, batch_axis='data',
+                         param_sharding=jaxamp.annotated([('mlp', 'model'), ('embed', None)]))):
+      train = make('float32', kw, donate=False)
+      vs = variables if kw else nn.unbox(variables)
+      state = train.init(Mlp(), vs)
+      for b in batches[:2]:
+        state, metrics = train.step(state, b)
+      out.append((leaves(state.params), float(metrics['loss'])))
+    assert spec(state.params['Dense_0']['kernel']) == P(None, 'model')
+    assert spec(state.params['Dense_1']['kernel']) == P('model', None)
+    for a, b in zip(out[0][0], out[1][0]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
+    # NNX: nnx.with_partitioning metadata
+    with nnx.use_eager_sharding(False):
+      model = nnx.Linear(8, 4, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ('model', None)))
+    train = make('mixed_bfloat16', dict(mesh=tp_mesh, param_sharding=jaxamp.annotated()))
+    state, _ = train.step(train.init(model), batches[0])
+    assert spec(state.params['kernel']) == P('model', None)
+
+    # 6, 8. Half params: float32 master weights sharded like them. Orbax: the sharded
+    #    state saved and restored resumes sharded, bit-identically.
+    import orbax.checkpoint as ocp
+    ckpt = sys.argv[1]
+    train = make('bfloat16', FSDP, donate=False)
+    state = init(train, 'nnx', batchnorm=False)
+    state, metrics = train.step(state, batches[0])
+    master = state.opt_state.master_params
+    assert jax.tree.map(spec, master).to_pure_dict() == want
+    assert {{x.dtype for x in jax.tree.leaves(master)}} == {{jnp.dtype('float32')}}
+    assert {{x.dtype for x in jax.tree.leaves(state.params)}} == {{jnp.dtype('bfloat16')}}
+    assert bool(metrics['grads_finite'])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(ckpt, state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(ckpt, jaxamp.abstract_state(state))
+    assert jax.tree.map(spec, restored.params).to_pure_dict() == want
+    assert jax.tree.map(spec, restored.opt_state.master_params).to_pure_dict() == want
+    adam = optax.tree_utils.tree_get(restored.opt_state, 'ScaleByAdamState')
+    assert jax.tree.map(spec, adam.nu).to_pure_dict() == want
+    expected, _ = train.step(state, batches[1])
+    resumed, _ = train.step(restored, batches[1])
+    for a, b in zip(leaves(expected), leaves(resumed)):
+      np.testing.assert_array_equal(a, b)
+
+    # 9. eval_step (the runs of 3.)
+    np.testing.assert_allclose(evals['single'], evals['fsdp'], rtol=1e-5)
+    print('SHARDED-OK')
+""")
+
+
+# Faster XLA:CPU compiles for the tiny programs here (these tests mostly compile).
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _run(args, env=None, timeout=300):
+  full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                        env=full_env, timeout=timeout)
+
+
+def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_path):
+  path = tmp_path / "sharded.py"
+  path.write_text(_EIGHT_DEVICES.format(root=ROOT, tests=TESTS))
+  proc = _run([str(path), str(tmp_path / "ckpt")],
+              {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "SHARDED-OK" in proc.stdout
+
+
+# --- two processes ------------------------------------------------------------------------
+
+def test_two_processes_train_sharded_like_one(tmp_path):
+  """The README's launch commands: examples/sharded.py in 2 processes of 2 CPU devices."""
+  example = os.path.join(ROOT, "examples", "sharded.py")
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {_FAST_COMPILE}")
+  procs = [subprocess.Popen([sys.executable, example, "--processes", "2", "--process-id",
+                             str(i), "--coordinator", f"localhost:{port}", "--out",
+                             str(tmp_path / f"{i}.npz")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+           for i in range(2)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=180)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+  assert "process 1/2, 4 devices" in logs[1], logs[1]
+  assert "'fsdp'" in logs[0]  # some params are sharded
+  results = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
+  spec = importlib.util.spec_from_file_location("sharded_example", example)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params, losses = module.run(steps=3, sharded=False)  # one process, one device
+  for r in results:
+    # bfloat16 compute; each device sums its own rows' gradients before the reduction
+    np.testing.assert_allclose(r["losses"], losses, rtol=2e-3)
+    assert len(r.files) == len(params) + 1
+    for i, p in enumerate(params):
+      np.testing.assert_allclose(r[f"arr_{i}"], p, rtol=2e-3, atol=2e-3)
+  for key in results[0].files:  # the two processes agree exactly
+    np.testing.assert_array_equal(results[0][key], results[1][key])
