@@ -1,7 +1,7 @@
 """FP8 matmuls: recipes, their functional state, and the scaled FP8 dot.
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
-with ``fp8=``) runs the matmuls of ``Linear``/``LinearGeneral`` (attention projections
+with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention projections
 included) and Linen ``Dense``/``DenseGeneral`` layers in FP8 and everything else in
 its compute dtype (bfloat16 for the named ones): norms, softmax, attention scores,
 the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -364,19 +365,97 @@ def name_nnx_modules(model: Any, path_name: Callable[[Any], str]) -> None:
                 if isinstance(node, nnx.Module)})
 
 
-def _dot_for(path: str | None, recipe: Fp8Recipe, once: bool) -> Callable[..., Any]:
-  meta = None
-  if _local.scopes and path is not None:
-    scope = _local.scopes[-1]
-    meta = scope.state.get(path)
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """No FP8 state in this block: abstract passes (plans, censuses) traced inside a step
+  use current scaling and count no module as run."""
+  _local.scopes.append(_Scope({}))
+  try:
+    yield
+  finally:
+    _local.scopes.pop()
+
+
+_warned_stateless: set[str] = set()
+
+
+def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., Any]:
+  """The FP8 ``dot_general`` of the module at ``path`` in the running scope.
+
+  Its state is read when the module's matmul runs, not before: a module whose matmul
+  does not run (an outer-product einsum) keeps its state, and one whose matmul runs
+  twice in a step is refused.
+  """
+  scope = _local.scopes[-1] if _local.scopes else None
+  meta = scope.state.get(path) if scope is not None and path is not None else None
+  if scope is not None and scope.state and meta is None and isinstance(
+      recipe, DelayedScaling) and what not in _warned_stateless:
+    _warned_stateless.add(what)
+    warnings.warn(
+        f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a layer "
+        "inside a scan/vmap transform, or one created during the call): it runs with "
+        "current scaling (each tensor scaled by its own amax). Keep it out of FP8 with a "
+        "jaxamp.set_policy rule to silence this.", RuntimeWarning, stacklevel=2)
+
+  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+          **kwargs):
     if meta is not None:
-      if once and path in scope.used:
+      if path in scope.used:
         raise ValueError(
             f"FP8 module {path!r} ran twice in one step; its state holds one history per "
             "module, and the two backward passes would add their histories. Keep it out "
             f"of FP8 with jaxamp.set_policy({path!r}, 'mixed_bfloat16').")
       scope.used.add(path)
-  return functools.partial(scaled_dot_general, meta=meta, recipe=recipe)
+    return scaled_dot_general(lhs, rhs, dimension_numbers, precision,
+                              preferred_element_type, meta=meta, recipe=recipe, **kwargs)
+
+  return dot
+
+
+def scaled_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *, precision: Any = None,
+                  preferred_element_type: Any = None, out_sharding: Any = None,
+                  dot_general: Callable[..., Any] = scaled_dot_general) -> jax.Array:
+  """The two-operand einsum ``subscripts`` of ``lhs`` (the input) and ``rhs`` (the kernel)
+  as one ``dot_general(lhs, rhs, ...)`` (an FP8 dot): what ``nnx.Einsum`` gets as
+  ``einsum_op`` under an FP8 policy.
+
+  The dot always gets the input first and the kernel second (``jnp.einsum`` may swap
+  them), so an FP8 state's rows stay what they say. Indices found in one operand only
+  and not in the output are summed first. A spec with a repeated index within one
+  operand (a diagonal) runs as ``jnp.einsum`` in the compute dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> x, k = jnp.ones((2, 3, 4)), jnp.full((4, 5), 0.5)
+    >>> jaxamp.fp8.scaled_einsum('btd,dh->bth', x, k).shape
+    (2, 3, 5)
+  """
+  import opt_einsum  # pylint: disable=g-import-not-at-top  (a jax dependency)
+
+  if out_sharding is not None:
+    raise NotImplementedError("jaxamp's FP8 einsum takes no out_sharding; shard its inputs.")
+  inputs, out, _ = opt_einsum.parser.parse_einsum_input((subscripts.replace(" ", ""),
+                                                          lhs, rhs))
+  a, b = inputs.split(",")
+  if len(set(a)) < len(a) or len(set(b)) < len(b) or len(set(out)) < len(out):
+    return jnp.einsum(subscripts, lhs, rhs, precision=precision,
+                      preferred_element_type=preferred_element_type)
+
+  def only(x, names, other):  # sum indices nothing else has
+    gone = [i for i, n in enumerate(names) if n not in other and n not in out]
+    return (jnp.sum(x, axis=tuple(gone)) if gone else x,
+            "".join(n for n in names if n not in gone and (n in other or n in out)))
+
+  lhs, a = only(lhs, a, b)
+  rhs, b = only(rhs, b, a)
+  batch = [n for n in a if n in b and n in out]
+  contract = [n for n in a if n in b and n not in out]
+  dims = ((tuple(a.index(n) for n in contract), tuple(b.index(n) for n in contract)),
+          (tuple(a.index(n) for n in batch), tuple(b.index(n) for n in batch)))
+  y = dot_general(lhs, rhs, dims, precision, preferred_element_type)
+  names = "".join(batch) + "".join(n for n in a if n not in b) + "".join(
+      n for n in b if n not in a)
+  return jnp.transpose(y, tuple(names.index(n) for n in out)) if names != out else y
 
 
 def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
@@ -406,10 +485,10 @@ def reduce_state(new: Mapping[str, Fp8Meta] | None, old: Mapping[str, Fp8Meta] |
 # --- which modules run in FP8 -------------------------------------------------------------
 
 
-def _nnx_classes() -> tuple[type, ...]:
+def nnx_classes() -> tuple[type, ...]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Linear, nnx.LinearGeneral)
+  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 
 def _linen_classes() -> tuple[type, ...]:
@@ -422,7 +501,22 @@ def runs_fp8(cls: type, policy: Any) -> bool:
   """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
   if getattr(policy, "fp8", None) is None:
     return False
-  return issubclass(cls, _nnx_classes()) or issubclass(cls, _linen_classes())
+  return issubclass(cls, nnx_classes()) or issubclass(cls, _linen_classes())
+
+
+def nnx_stacked(module: Any) -> bool:
+  """Whether an NNX FP8 layer holds a stack of kernels (one per step of an ``nnx.scan``,
+  made by ``nnx.vmap``): more kernel dimensions than the layer declares. Such layers
+  run with current scaling and get no state."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if isinstance(module, nnx.Einsum):
+    declared = len(module.kernel_shape)
+  elif isinstance(module, nnx.LinearGeneral):
+    declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
+  else:
+    declared = 2
+  return jnp.ndim(module.kernel) > declared
 
 
 def init_state(plan: Any) -> dict[str, Fp8Meta]:
@@ -434,22 +528,38 @@ def recipes_of(plan: Any) -> dict[str, Fp8Recipe]:
   return {path: policy.fp8 for path, cls, policy in plan if runs_fp8(cls, policy)}
 
 
-def nnx_dot_general(module: Any, policy: Any) -> Callable[..., Any] | None:
-  """The FP8 ``dot_general`` for an NNX module under ``policy``, or None to leave it."""
-  if getattr(policy, "fp8", None) is None or not isinstance(module, _nnx_classes()):
-    return None
-  if vars(module).get("dot_general_cls") is not None:
-    return None  # the user's own dot: theirs to keep
+def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
+  """The attributes an NNX module gets under ``policy``: its FP8 ``dot_general`` (Linear,
+  LinearGeneral) or ``einsum_op`` (Einsum); none for other modules and policies."""
+  if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
+    return {}
   path = _local.scopes[-1].names.get(id(module)) if _local.scopes else None
-  return _dot_for(path, policy.fp8, once=True)
+  what = f"{type(module).__name__} {path or '(unnamed)'}"
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  attrs = vars(module)
+  if isinstance(module, nnx.Einsum):
+    if attrs.get("einsum_op") is not jnp.einsum:
+      return {}  # the user's own op: theirs to keep
+    return {"einsum_op": functools.partial(scaled_einsum,
+                                           dot_general=_dot_for(path, policy.fp8, what))}
+  if attrs.get("dot_general_cls") is not None or attrs.get("dot_general") not in (
+      None, lax.dot_general):
+    return {}  # the user's own dot: theirs to keep
+  return {"dot_general": _dot_for(path, policy.fp8, what)}
 
 
-def linen_fields(module: Any, path: tuple[str, ...], policy: Any) -> dict[str, Any]:
-  """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 layers."""
+def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
+                 lifted: bool = False) -> dict[str, Any]:
+  """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 layers.
+
+  ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``), once
+  per slice of its stacked parameters: it gets no state (current scaling).
+  """
   if getattr(policy, "fp8", None) is None or not isinstance(module, _linen_classes()):
     return {}
   if module.dot_general_cls is not None or module.dot_general is not None:
     return {}
-  # Linen's wrapper also traces abstract passes (plan, census) of the same modules in
-  # the step: no "ran twice" check here.
-  return {"dot_general": _dot_for("/".join(path), policy.fp8, once=False)}
+  name = "/".join(path)
+  return {"dot_general": _dot_for(None if lifted else name, policy.fp8,
+                                  f"{type(module).__name__} {name}")}

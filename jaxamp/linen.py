@@ -166,7 +166,8 @@ def _abstractly(trace: Callable[..., Any], fn: Callable[..., Any], *trees: Any) 
     return fn(*jax.tree.unflatten(treedef, [next(it) if a else x
                                             for x, a in zip(leaves, arrays)]))
 
-  return trace(run)(*(x for x, a in zip(leaves, arrays) if a))
+  with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
+    return trace(run)(*(x for x, a in zip(leaves, arrays) if a))
 
 
 def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
@@ -390,7 +391,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       with contextlib.ExitStack() as stack:
         stack.enter_context(_fields_set(module, {
             **_dtype_fields(module, policy),
-            **fp8_lib.linen_fields(module, path, policy)}))  # FP8 matmuls: jaxamp.fp8
+            **fp8_lib.linen_fields(module, path, policy,  # FP8 matmuls: jaxamp.fp8
+                                   any(path[:len(p)] == p for p in lifted))}))
         if scopes is not None:
           stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
                                                                             len(scopes)))))
@@ -669,6 +671,14 @@ def module_policies(module: nn.Module, variables: Any, *args: Any,
     'layers_0' Dense mixed_float16
     'layers_1' LayerNorm params=float32,compute=float32,output=float16
   """
+  return module_plan(module, variables, *args, policy=policy, **kwargs)[0]
+
+
+def module_plan(module: nn.Module, variables: Any, *args: Any,
+                policy: PolicyLike | None = None,
+                **kwargs: Any) -> tuple[list[tuple[str, type, Policy]], frozenset[str]]:
+  """:func:`module_policies`' rows, and the paths of the modules that run inside a lifted
+  transform (``nn.scan``, ``nn.vmap``, ``nn.remat``: the body and what it calls)."""
   model_policy = global_policy() if policy is None else get_policy(policy)
   if variables is None:
     rngs = kwargs.pop("rngs", None)
@@ -677,4 +687,6 @@ def module_policies(module: nn.Module, variables: Any, *args: Any,
   else:
     plan = _apply_plan(module, variables, args, kwargs)
   policies = resolve_tree(plan.modules, model_policy)
-  return [(path_name(path), cls, policies[path]) for path, cls in plan.modules]
+  inside = frozenset(path_name(path) for path, _ in plan.modules
+                     if any(path[:len(body)] == body for body in plan.lifted))
+  return [(path_name(path), cls, policies[path]) for path, cls in plan.modules], inside

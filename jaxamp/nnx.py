@@ -511,9 +511,8 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
       _set_attr(module, "dtype", None if gather else compute, undo)
     if attrs.get("attention_fn") is nnx.dot_product_attention and policy.is_mixed:
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
-    fp8_dot = fp8_lib.nnx_dot_general(module, policy)  # FP8 matmuls: jaxamp.fp8
-    if fp8_dot is not None:
-      _set_attr(module, "dot_general", fp8_dot, undo)
+    for name, value in fp8_lib.nnx_fields(module, policy).items():  # FP8: jaxamp.fp8
+      _set_attr(module, name, value, undo)
     scopes = _state.calls[-1].scopes
     with (jax.named_scope(scope_name(scopes[id(module)]))
           if scopes is not None and id(module) in scopes else contextlib.nullcontext()):

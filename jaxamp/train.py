@@ -481,16 +481,21 @@ class TrainStep:
           raise ValueError("init(model) takes no variables or example inputs for an NNX "
                            "model.")
         plan = amp_nnx.module_policies(model, self.policy)
+        stacked = {path_name(path) for path, node in nnx.iter_graph(model)
+                   if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
+        fp8_plan = [row for row in plan if row[0] not in stacked]
         graphdef, params, model_state = _NNXAdapter.split(model)
         self._adapter = _NNXAdapter(graphdef, self.recompute_norms)
       else:
         if variables is None or "params" not in variables:
           raise ValueError("For a Linen module call init(module, variables), where variables "
                            "is module.init(...)'s result with a 'params' collection.")
-        plan = None
+        plan = fp8_plan = None
         if example_args or example_kwargs:
-          plan = amp_linen.module_policies(model, None, *example_args, policy=self.policy,
-                                           **example_kwargs)
+          plan, lifted = amp_linen.module_plan(model, None, *example_args,
+                                               policy=self.policy, **example_kwargs)
+          # Layers inside nn.scan & co. run FP8 with current scaling: no state for them.
+          fp8_plan = [row for row in plan if row[0] not in lifted]
         self._adapter = _LinenAdapter(model, self.recompute_norms)
         if plan is None and self.policy.fp8 is not None:
           raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
@@ -525,8 +530,8 @@ class TrainStep:
     if self.master_weights:
       opt_state = MasterWeightsState(opt_params, opt_state)
     # FP8 amax histories and scales: their own field, out of the optimizer's reach.
-    fp8_state = fp8_lib.init_state(plan) if plan is not None else {}
-    self._fp8_recipes = fp8_lib.recipes_of(plan) if plan is not None else {}
+    fp8_state = fp8_lib.init_state(fp8_plan) if fp8_plan is not None else {}
+    self._fp8_recipes = fp8_lib.recipes_of(fp8_plan) if fp8_plan is not None else {}
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        model_state=model_state, rng=jax.random.key(self.seed),
                        fp8=fp8_state or None)

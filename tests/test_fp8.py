@@ -396,3 +396,144 @@ def test_fp8_with_a_mesh_maxes_amaxes_across_devices(tmp_path):
                         env=env, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "FP8-MESH-OK" in proc.stdout
+
+
+# --- einsum, repeated and transformed layers -------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,kshape", [("btd,dnh->btnh", (8, 2, 3)),
+                                         ("bd,dh->hb", (8, 5))])  # kernel first in the dot
+def test_scaled_einsum_matches_an_emulated_product_with_rows_in_place(spec, kshape):
+  rng = np.random.RandomState(0)
+  x = (rng.randn(4, 8) if spec.startswith("bd") else rng.randn(4, 3, 8)).astype(np.float32)
+  k = (rng.randn(*kshape) * 0.1).astype(np.float32)
+  meta = jaxamp.fp8.init_meta(jaxamp.CurrentScaling())
+  seen = []
+
+  def dot(a, b, *args, **kwargs):
+    seen.append((a.shape, b.shape))
+    return jaxamp.fp8.scaled_dot_general(a, b, *args, meta=meta, **kwargs)
+
+  def f(x, k, history):
+    m = jaxamp.fp8.Fp8Meta(history, meta.scale)
+    out = jaxamp.fp8.scaled_einsum(
+        spec, x, k, dot_general=lambda a, b, *args, **kw: jaxamp.fp8.scaled_dot_general(
+            a, b, *args, meta=m, recipe=jaxamp.CurrentScaling(), **kw))
+    return jnp.sum(out)
+
+  y = jaxamp.fp8.scaled_einsum(spec, jnp.asarray(x), jnp.asarray(k), dot_general=dot)
+  assert seen[0][0] == x.shape and seen[0][1] == k.shape  # the input first, always
+  sx, sk = 448 / np.abs(x).max(), 448 / np.abs(k).max()
+  q = lambda a, s: np.clip(a * s, -448, 448).astype(E4M3).astype(np.float32) / np.float32(s)
+  np.testing.assert_allclose(np.asarray(y), np.einsum(spec, q(x, sx), q(k, sk)),
+                             rtol=1e-5, atol=1e-5)
+  # the history's cotangent: rows input, kernel, gradient
+  new = jax.grad(f, argnums=2)(jnp.asarray(x), jnp.asarray(k), meta.amax_history)
+  np.testing.assert_array_equal(np.asarray(new[:, 0]), [np.abs(x).max(), np.abs(k).max(), 1.0])
+
+
+def test_nnx_einsum_runs_fp8_with_its_state():
+  class Proj(nnx.Module):
+    def __init__(self):
+      self.qkv = nnx.Einsum("btd,dnh->btnh", (8, 2, 4), (2, 4), rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.qkv(x).reshape(x.shape[0], x.shape[1], -1)
+
+  x = jnp.asarray(np.random.RandomState(0).randn(2, 3, 8), jnp.float32)
+  policy = jaxamp.get_policy("mixed_fp8").with_fp8(jaxamp.DelayedScaling(amax_history_len=4))
+  train = jaxamp.make_train_step(lambda m, b: jnp.sum(m(b) ** 2), optax.sgd(0.01),
+                                 policy=policy)
+  model = Proj()
+  kernel = np.asarray(model.qkv.kernel[...])
+  state = train.init(model)
+  assert set(state.fp8) == {"qkv"}
+  assert jaxamp.summary(Proj(), x, policy=policy).fp8_modules == ("qkv",)
+  state, metrics = train.step(state, x)
+  history = np.asarray(state.fp8["qkv"].amax_history)
+  bf16 = lambda a: np.abs(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)).max()
+  assert history[0, 0] == bf16(x) and history[1, 0] == bf16(kernel)  # compute dtype first
+  assert history[2, 0] > 0 and np.isfinite(float(metrics["loss"]))
+  text = train.lower(state, x, platforms=("cuda",)).as_text()
+  assert "f8E4M3FN" in text and "f8E5M2" in text
+
+
+def test_linen_module_run_twice_is_refused():
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      d = nn.Dense(8, name="shared")
+      return d(nn.relu(d(x)))
+
+  x = jnp.ones((2, 8))
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8")
+  state = train.init(Twice(), Twice().init(jax.random.key(0), x), x)
+  with pytest.raises(ValueError, match="'shared' ran twice.*set_policy"):
+    train.step(state, x)
+
+
+def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(monkeypatch):
+  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.relu(nn.Dense(8, name="inner")(x)), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                  length=3)(name="blocks")(x, None)[0]
+      return nn.Dense(2, name="head")(x)
+
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8")
+  state = train.init(Stack(), Stack().init(jax.random.key(0), x), x)
+  assert set(state.fp8) == {"head"}  # no state for the scanned layer
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, x)
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "blocks/inner" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
+  assert np.asarray(state.fp8["head"].amax_history)[:, 0].all()
+  text = train.lower(state, x, platforms=("cuda",)).as_text()
+  assert text.count("f8E4M3FN") > 0
+
+
+def test_nnx_layers_inside_scan_fall_back_to_current_scaling(monkeypatch):
+  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
+
+  class Stack(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=3)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(8, 8, rngs=rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return nnx.relu(block(x))
+
+      return self.head(body(x, self.blocks))
+
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8")
+  state = train.init(Stack())
+  assert set(state.fp8) == {"head"}  # the stacked kernels get no state
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, x)
+  assert len([w for w in seen if "current scaling" in str(w.message)]) == 1
+  assert np.isfinite(float(metrics["loss"])) and np.asarray(
+      state.fp8["head"].amax_history)[:, 0].all()
+  text = train.lower(state, x, platforms=("cuda",)).as_text()
+  assert text.count("f8E4M3FN") >= 2  # the scanned layers' dots too
