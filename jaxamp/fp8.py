@@ -1,9 +1,9 @@
 """FP8 matmuls: recipes, their functional state, and the scaled FP8 dot.
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
-with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention projections
-included) and Linen ``Dense``/``DenseGeneral`` layers in FP8 and everything else in
-its compute dtype (bfloat16 for the named ones): norms, softmax, attention scores,
+with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
+projections included) and Linen ``Dense``/``DenseGeneral`` layers in FP8 and everything
+else in its compute dtype (bfloat16 for the named ones): norms, softmax, attention scores,
 the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
 output gradient to E5M2 (max 57344), one scale per tensor, products accumulated in
