@@ -50,14 +50,21 @@ ParamSharding = Callable[[Any, jax.sharding.Mesh], Any]
 AxisNames = str | Sequence[str]
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-  """The mesh axes one entry of a PartitionSpec names (None: none)."""
+def axis_names(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a PartitionSpec names (None: none).
+
+  Example:
+    >>> from jaxamp.sharding import axis_names
+    >>> axis_names(None), axis_names('data'), axis_names(('data', 'fsdp'))
+    ((), ('data',), ('data', 'fsdp'))
+  """
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _axis_size(mesh: jax.sharding.Mesh, names: Sequence[str]) -> int:
+def axis_size(mesh: jax.sharding.Mesh, names: Sequence[str]) -> int:
+  """How many devices the mesh axes ``names`` span together."""
   return math.prod(mesh.shape[n] for n in names)
 
 
@@ -88,13 +95,13 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
     >>> jaxamp.fsdp(min_size=4)({'w': jnp.ones((3, 8))}, mesh) == {'w': jax.P(None, 'fsdp')}
     True
   """
-  names = _names(axis)
+  names = axis_names(axis)
   if not names:
     raise ValueError("fsdp needs a mesh axis name, got none.")
 
   def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     _check_axes(names, mesh, "fsdp axis")
-    n = _axis_size(mesh, names)
+    n = axis_size(mesh, names)
     entry = names[0] if len(names) == 1 else names
 
     def one(x: Any) -> P:
@@ -204,14 +211,14 @@ def param_specs(param_sharding: ParamSharding | Any, params: Any,
                        f"{len(spec)} dimensions.")
     seen: set[str] = set()
     for d, entry in enumerate(spec):
-      names = _names(entry)
+      names = axis_names(entry)
       _check_axes(names, mesh, f"Parameter {name}'s spec {spec} names axis")
       twice = seen & set(names) or {a for a in names if names.count(a) > 1}
       if twice:
         raise ValueError(f"Parameter {name}'s spec {spec} uses mesh axis "
                          f"{sorted(twice)[0]!r} twice.")
       seen |= set(names)
-      n = _axis_size(mesh, names)
+      n = axis_size(mesh, names)
       if shape[d] % n:
         raise ValueError(f"Parameter {name} has shape {shape}: dimension {d} ({shape[d]}) "
                          f"is not divisible by the size {n} of mesh axes {names} its spec "

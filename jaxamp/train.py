@@ -385,7 +385,7 @@ class TrainStep:
                recompute_norms: bool = False, param_sharding: Any = None):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
-    batch_axes = sharding_lib._names(batch_axis)
+    batch_axes = sharding_lib.axis_names(batch_axis)
     if mesh is not None:
       for name in batch_axes:
         if name not in mesh.axis_names:
@@ -792,7 +792,7 @@ class TrainStep:
       x = x.astype(dtype) if is_floating_array(x) else x
       for d, entry in enumerate(spec):
         if entry is not None:
-          x = jax.lax.all_gather(x, sharding_lib._names(entry), axis=d, tiled=True)
+          x = jax.lax.all_gather(x, sharding_lib.axis_names(entry), axis=d, tiled=True)
       out.append(x)
     return treedef.unflatten(out)
 
@@ -800,7 +800,7 @@ class TrainStep:
     """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
     over the batch axes and scattered to its param's layout, then averaged."""
     axes = self._batch_axes
-    n = sharding_lib._axis_size(self.mesh, axes)
+    n = sharding_lib.axis_size(self.mesh, axes)
     leaves, treedef = jax.tree.flatten(grads)
     specs = treedef.flatten_up_to(self.param_specs)
     out = []
@@ -809,14 +809,14 @@ class TrainStep:
       g = g.astype(self.grad_reduce_dtype)
       summed: tuple[str, ...] = ()
       for d, entry in enumerate(spec):
-        names = sharding_lib._names(entry)
+        names = sharding_lib.axis_names(entry)
         if not names:
           continue
         if all(a in axes for a in names):
           g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
           summed += names
         else:  # a storage-only axis: every device along it has the same gradient
-          size = g.shape[d] // sharding_lib._axis_size(self.mesh, names)
+          size = g.shape[d] // sharding_lib.axis_size(self.mesh, names)
           g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(names) * size, size, d)
       rest = tuple(a for a in axes if a not in summed)
       if rest:
