@@ -399,7 +399,7 @@ class TrainStep:
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
     self.policy = policy
-    self.recompute_norms = bool(recompute_norms)
+    self.recompute_norms = self._recompute_norms_arg = bool(recompute_norms)
     self.loss_fn = loss_fn
     self.eval_fn = eval_fn if eval_fn is not None else loss_fn
     self.has_aux = has_aux
@@ -473,8 +473,11 @@ class TrainStep:
             f"init got a model wrapped with policy {model.policy.name!r}, but this train "
             f"step's policy is {self.policy.name!r}. Pass the unwrapped model (the train "
             "step applies its own policy), or make the step with the same policy.")
-      self.recompute_norms = self.recompute_norms or model.recompute_norms
-      model = model.module
+      model, recompute = model.module, model.recompute_norms
+    else:
+      recompute = False
+    # Each init decides afresh: a wrapped model's request does not outlive it.
+    self.recompute_norms = self._recompute_norms_arg or recompute
     with self._level_rules():
       if isinstance(model, nnx.Module):
         if variables is not None or example_args or example_kwargs:

@@ -519,6 +519,13 @@ def test_norms_are_recomputed_only_when_asked():
 
   assert step_remats() == 0
   assert step_remats(recompute_norms=True) > 0
+  # A wrapped model's request holds for its init only, not for a later plain one.
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b[0]).astype(jnp.float32)),
+                                 optax.sgd(0.1), policy="mixed_bfloat16")
+  train.init(with_policy(make("lm"), "mixed_bfloat16", recompute_norms=True))
+  assert train.recompute_norms
+  train.init(make("lm"))
+  assert not train.recompute_norms
 
 
 @pytest.mark.parametrize("policy", list(HALF))
