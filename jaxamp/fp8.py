@@ -519,6 +519,22 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
+def warn_if_unused(plan: Any, model: str) -> None:
+  """One RuntimeWarning if a row of ``plan`` asks for FP8 but no module can run it: the
+  model's matmuls are in layers jaxamp cannot hook (Hugging Face GPT-2's ``FlaxConv1D``
+  calls ``lax.dot_general`` itself), so the policy would silently give no FP8 at all."""
+  if not any(getattr(policy, "fp8", None) is not None for _, _, policy in plan):
+    return
+  if any(runs_fp8(cls, policy) for _, cls, policy in plan):
+    return
+  classes = sorted({cls.__name__ for _, cls, _ in plan})
+  warnings.warn(
+      f"jaxamp: {model} has no layer that runs FP8 (FP8 hooks NNX Linear, LinearGeneral, "
+      f"Einsum and Linen Dense, DenseGeneral); its modules are {', '.join(classes[:12])}"
+      f"{' ...' if len(classes) > 12 else ''}. Every matmul runs in the compute dtype.",
+      RuntimeWarning, stacklevel=3)
+
+
 def init_state(plan: Any) -> dict[str, Fp8Meta]:
   """The FP8 state for ``(path, class, policy)`` rows (``module_policies``' result)."""
   return {path: init_meta(policy.fp8) for path, cls, policy in plan if runs_fp8(cls, policy)}

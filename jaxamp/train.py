@@ -534,6 +534,8 @@ class TrainStep:
       opt_state = MasterWeightsState(opt_params, opt_state)
     # FP8 amax histories and scales: their own field, out of the optimizer's reach.
     fp8_state = fp8_lib.init_state(fp8_plan) if fp8_plan is not None else {}
+    if plan is not None:
+      fp8_lib.warn_if_unused(plan, type(model).__name__)
     self._fp8_recipes = fp8_lib.recipes_of(fp8_plan) if fp8_plan is not None else {}
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        model_state=model_state, rng=jax.random.key(self.seed),

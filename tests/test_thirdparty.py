@@ -351,3 +351,14 @@ def test_native_nnx_model_with_hard_coded_float32_runs_in_half():
   assert got.half_share >= 0.99, str(got)
   jaxamp.nnx.with_policy(model, "mixed_bfloat16")(ids)
   assert model.norm.seen == jnp.float32  # found by its name: computes in float32
+
+
+def test_fp8_policy_on_a_model_without_hookable_layers_warns(gpt2_variables):
+  """Hugging Face GPT-2's projections are FlaxConv1D (lax.dot_general called directly):
+  'mixed_fp8' cannot reach them, and says so instead of running with no FP8 at all."""
+  train = jaxamp.make_train_step(lambda m, b: lm_loss(m(*gpt2_inputs(b))[0], b),
+                                 optax.sgd(0.1), policy="mixed_fp8")
+  with pytest.warns(RuntimeWarning, match="FlaxGPT2LMHeadModule has no layer that runs "
+                    "FP8.*FlaxConv1D"):
+    state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(token_ids()))
+  assert state.fp8 is None
