@@ -315,23 +315,41 @@ def compile_cost(c: Candidate, layers: int, reps: int,
   ``jax.clear_caches()`` before each repetition makes every one a first call, as a user's
   first ``train.step`` is (jaxamp's step is a jitted function inside: its cache too).
   """
-  cost = CompileCost(c.impl, c.policy, layers, [], [], [], {})
-  state, batch = abstract(c.state), abstract(c.batch)
-  try:
-    for _ in range(reps):
-      jax.clear_caches()
-      with _precision(c.matmul_precision):
-        start = clock()
-        traced = jax.jit(c.step, donate_argnums=0).trace(state, batch)
-        traced_at = clock()
-        lowered = traced.lower()
-        lowered_at = clock()
-        compiled = lowered.compile()
-        done = clock()
-      cost.trace_s.append(traced_at - start)
-      cost.lower_s.append(lowered_at - traced_at)
-      cost.compile_s.append(done - lowered_at)
-    cost.memory = memory_figures(compiled)
-  except Exception as e:  # pylint: disable=broad-except
-    cost.error = _error(e)
-  return cost
+  return compile_costs([c], layers, reps, clock=clock)[0]
+
+
+def compile_costs(cs: Sequence[Candidate], layers: int, reps: int, trace_reps: int = 0,
+                  clock: Callable[[], float] = time.process_time) -> list[CompileCost]:
+  """:func:`compile_cost` of several candidates, taking turns.
+
+  Every repetition runs each candidate once, in an order that rotates, so a slow spell of
+  the machine hits all of them rather than whichever ran then. ``trace_reps`` more
+  repetitions time the trace alone: it is cheap, and at small sizes the noisiest.
+  """
+  costs = [CompileCost(c.impl, c.policy, layers, [], [], [], {}) for c in cs]
+  inputs = [(abstract(c.state), abstract(c.batch)) for c in cs]
+  for rep in range(reps + trace_reps):
+    for i in (rep + k for k in range(len(cs))):
+      i %= len(cs)
+      c, cost, (state, batch) = cs[i], costs[i], inputs[i]
+      if cost.error:
+        continue
+      try:
+        jax.clear_caches()
+        with _precision(c.matmul_precision):
+          start = clock()
+          traced = jax.jit(c.step, donate_argnums=0).trace(state, batch)
+          traced_at = clock()
+          cost.trace_s.append(traced_at - start)
+          if rep >= reps:
+            continue
+          lowered = traced.lower()
+          lowered_at = clock()
+          compiled = lowered.compile()
+          done = clock()
+        cost.lower_s.append(lowered_at - traced_at)
+        cost.compile_s.append(done - lowered_at)
+        cost.memory = memory_figures(compiled)
+      except Exception as e:  # pylint: disable=broad-except
+        cost.error = _error(e)
+  return costs

@@ -52,7 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 import jax  # pylint: disable=g-import-not-at-top
 
 from benchmarks import candidates, models, report  # pylint: disable=g-import-not-at-top
-from benchmarks.measure import (Lowering, compile_cost, lower_for,  # pylint: disable=g-import-not-at-top
+from benchmarks.measure import (Lowering, compile_costs, lower_for,  # pylint: disable=g-import-not-at-top
                                 measure)
 
 # The overhead comparison runs first: on a 2-core CPU its ratio drifted when it followed
@@ -85,6 +85,7 @@ class Size:
   lm_extra: tuple[str, ...] = ()
   compile_layers: tuple[int, ...] = (2, 48)
   compile_reps: int = 3
+  compile_trace_reps: int = 4  # more repetitions timing the trace alone
   # The overhead section's other two models: the parameter-heavy MLP the trials used
   # (256-1024x3-10, batch 64) and a small ResNet (BatchNorm).
   mlp: models.MLPConfig = models.MLPConfig((256, 1024, 1024, 1024, 10), 64)
@@ -96,7 +97,7 @@ SIZES = {
     "smoke": Size(lm=models.LMConfig(vocab=64, dim=32, heads=2, layers=1, seq_len=16, batch=4),
                   resnet=models.ResNetConfig((1,), 4, 10, 16, 2), matmul=128,
                   warmup=1, rounds=2, steps=1, overhead_rounds=2, overhead_steps=1,
-                  compile_layers=(1, 2), compile_reps=1,
+                  compile_layers=(1, 2), compile_reps=1, compile_trace_reps=0,
                   mlp=models.MLPConfig((16, 32, 4), 4),
                   overhead_resnet=models.ResNetConfig((1,), 4, 10, 16, 2)),
     # The committed CPU numbers: a few minutes on 2 cores. ResNet-50's depth at a quarter
@@ -198,8 +199,18 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       results, notes=notes)
 
 
+def _load() -> str:
+  """The machine's 1-minute load average, for the notes: other work on a small machine
+  moves the timings (CPU-time clocks less than wall clocks, but not to zero)."""
+  try:
+    return f"{os.getloadavg()[0]:.1f}"
+  except OSError:
+    return "unknown"
+
+
 def _eager_section(size: Size, policies, args) -> report.Section:
   cfg = size.lm
+  load = _load()
   results = measure(candidates.eager_candidates(cfg, policies), warmup=args.warmup,
                     rounds=args.overhead_rounds, steps=args.overhead_steps, aot=False,
                     inspect=False, pairs=True)
@@ -211,18 +222,37 @@ def _eager_section(size: Size, policies, args) -> report.Section:
       "set by hand on every layer. Every op dispatches on its own, so the ratio is the "
       "wrapper's Python work per call over the model's. Interleaved rounds "
       f"({args.overhead_rounds} × {args.overhead_steps} calls), median of per-round ratios.",
-      results, notes=[f"Target: ≤ {EAGER_LIMIT}."])
+      results, notes=[f"Target: ≤ {EAGER_LIMIT}.",
+                      f"Load average (1 min) at the start and end: {load} and {_load()} "
+                      f"on {os.cpu_count()} cores."])
+
+
+def _first_call_notes(results) -> list[str]:
+  """What the median leaves out: a process's first trace of a jaxamp step also runs the
+  wrapper's matmul census (a forward trace, once per model class, policy and input
+  shapes; ``jax.clear_caches`` does not reset it), so repetition 1 costs more."""
+  firsts = [f"{c.layers} layers · {c.policy}: {c.trace_s[0]:.2f} s (median "
+            f"{c.median('trace_s'):.2f})" for c in results
+            if c.impl == "jaxamp" and not c.error and len(c.trace_s) > 1]
+  if not firsts:
+    return []
+  return ["jaxamp trace s of repetition 1, which also runs the once-per-process matmul "
+          "census of `jaxamp.nnx.with_policy` (a forward trace, only where some module "
+          "computes in half; the median of 3 or more leaves it out): "
+          + "; ".join(firsts) + "."]
 
 
 def _compile_section(size: Size, policies, args) -> report.Section:
   reps = getattr(args, "compile_reps", None) or size.compile_reps
+  load = _load()
   results = []
   for layers in size.compile_layers:
     cfg = dataclasses.replace(size.lm, layers=layers)
     for policy in policies:
-      for c in candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy]):
-        print(f"  {layers} layers: {c.name}")
-        results.append(compile_cost(c, layers, reps))
+      pair = candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy])
+      print(f"  {layers} layers: {' and '.join(c.name for c in pair)}")
+      results += compile_costs(pair, layers, reps, size.compile_trace_reps)
+      for c in pair:
         c.state = None
   return report.Section(
       "compile", "First-call cost: trace, lower, compile (issue 12)",
@@ -232,10 +262,15 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       "`train.step` and of the hand-written step in CPU seconds of the process "
       "(`time.process_time`, all threads; other load on the machine does not count), "
       "each from cold caches "
-      f"(`jax.clear_caches()`), median of {reps}; XLA temp MiB from "
+      f"(`jax.clear_caches()`), median of {reps}"
+      + (f" (trace: of {reps + size.compile_trace_reps}, {size.compile_trace_reps} of them "
+         "tracing only)" if size.compile_trace_reps else "")
+      + ", the two steps taking turns in every repetition; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
-      results)
+      results, notes=_first_call_notes(results) + [
+          f"Load average (1 min) at the start and end: {load} and {_load()} on "
+          f"{os.cpu_count()} cores."])
 
 
 def _lower_only(size: Size, impls, args) -> list[Lowering]:

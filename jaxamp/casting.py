@@ -24,11 +24,26 @@ import numpy as np
 __all__ = ["cast_floating", "is_floating_array", "is_floating_dtype"]
 
 
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+# Per-dtype answers: ``jnp.issubdtype`` costs microseconds, and the module wrappers ask
+# it for every argument, parameter and output of every call.
+_floating: dict[Any, bool] = {}
+
+
+def _floating_dtype(dtype: Any) -> bool:
+  """``jnp.issubdtype(dtype, jnp.floating)`` for an array's dtype, remembered."""
+  found = _floating.get(dtype)
+  if found is None:
+    found = _floating[dtype] = bool(jnp.issubdtype(dtype, jnp.floating))
+  return found
+
+
 def is_floating_array(x: Any) -> bool:
   """Whether ``x`` is an array (or shape struct) whose dtype is floating point."""
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+  if not isinstance(x, _ARRAY_TYPES):
     return False
-  return jnp.issubdtype(x.dtype, jnp.floating)
+  return _floating_dtype(x.dtype)
 
 
 def is_floating_dtype(dtype: Any) -> bool:
@@ -55,7 +70,9 @@ def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
     return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
   if isinstance(x, (np.ndarray, np.generic)):
     return np.asarray(x).astype(dtype)
-  return x.astype(dtype)
+  # The same op as ``x.astype(dtype)``, without ``jnp.astype``'s argument checks: the
+  # module wrappers cast every parameter and argument of every call through here.
+  return jax.lax.convert_element_type(x, dtype)
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
@@ -74,6 +91,8 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   if dtype is None:  # np.dtype(None) would quietly mean float64
     raise ValueError("cast_floating needs a floating dtype, got None.")
   dtype = np.dtype(dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
+  if not _floating_dtype(dtype):
     raise ValueError(f"cast_floating casts to a floating dtype, got {dtype}.")
+  if isinstance(tree, jax.Array):  # one array (a parameter read): no tree to walk
+    return _cast_leaf(tree, dtype)
   return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)

@@ -149,6 +149,46 @@ def _base_class(cls: type) -> type:
   return cls.__dict__.get("_jaxamp_base", cls)
 
 
+# What a graph attribute is, by type: the module walks below run on every wrapper call
+# and module call, and ``isinstance(x, nnx.Variable)`` (a metaclass check) or
+# ``nnx.graph.is_node`` cost microseconds each, on every attribute of every module.
+_LEAF, _VARIABLE, _NODE = 0, 1, 2
+_kinds: dict[type, int] = {}
+
+
+def _kind(x: Any) -> int:
+  """Whether ``x`` is a Variable, another graph node (module, list, dict...) or a leaf."""
+  kind = _kinds.get(type(x))
+  if kind is None:
+    kind = (_VARIABLE if isinstance(x, nnx.Variable) else
+            _NODE if _graph.is_node(x) else _LEAF)
+    # A tracer may be a hijax Variable: decided per instance. (A type registered as a
+    # pytree after a wrapped call has seen it stays a leaf here.)
+    if not isinstance(x, jax.core.Tracer):
+      _kinds[type(x)] = kind
+  return kind
+
+
+_plain_flatten: dict[type, bool] = {}
+
+
+def _node_items(node: Any) -> Any:
+  """``node``'s ``(key, child)`` pairs as ``nnx.graph``'s ``node_dict`` gives them, or
+  None for a node with no implementation. A Pytree (module) flattens to its sorted
+  attributes: read them directly instead of wrapping each in a Data/Static element."""
+  cls = type(node)
+  plain = _plain_flatten.get(cls)
+  if plain is None:
+    plain = _plain_flatten[cls] = (
+        issubclass(cls, nnx.Pytree)
+        and cls._graph_node_flatten is nnx.Pytree._graph_node_flatten  # not overridden
+        and _graph.get_node_impl_for_type(cls) is not None)
+  if plain and not node._pytree__has_int_keys:
+    return sorted(vars(node).items())
+  impl = _graph.get_node_impl(node)
+  return None if impl is None else impl.node_dict(node).items()
+
+
 def _iter_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
   """``(path, module)`` for every module under ``root``, exactly as ``nnx.iter_graph``
   yields them (same paths, same order, shared modules once), without visiting Variables
@@ -162,15 +202,16 @@ def _iter_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
       if isinstance(node, nnx.Module):
         yield path, node
       continue
-    if isinstance(node, nnx.Variable) or not _graph.is_node(node) or id(node) in visited:
+    if _kind(node) != _NODE or id(node) in visited:
       continue
     visited.add(id(node))
-    impl = _graph.get_node_impl(node)
-    if impl is None:
+    items = _node_items(node)
+    if items is None:
       continue
     stack.append((path, node, True))
-    for key, child in reversed(impl.node_dict(node).items()):
-      stack.append(((*path, key), child, False))
+    for key, child in reversed(list(items)):
+      if _kind(child) == _NODE:
+        stack.append(((*path, key), child, False))
 
 
 def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], Any, Policy]]:
@@ -217,7 +258,23 @@ def module_policies(model: nnx.Module, policy: PolicyLike | None = None
 # --- the policy-aware subclasses -------------------------------------------------------
 
 
+_methods: dict[type, tuple[str, ...]] = {}
+_methods_source: dict[type, tuple[str, ...]] = {}  # the POLICY_METHODS _methods reflects
+
+
 def _methods_for(cls: type) -> tuple[str, ...]:
+  """The policy methods of ``cls``; remembered per class until POLICY_METHODS changes."""
+  if POLICY_METHODS != _methods_source:  # a small dict: cheaper than the MRO walk
+    _methods.clear()
+    _methods_source.clear()
+    _methods_source.update(POLICY_METHODS)
+  found = _methods.get(cls)
+  if found is None:
+    found = _methods[cls] = _find_methods(cls)
+  return found
+
+
+def _find_methods(cls: type) -> tuple[str, ...]:
   names: list[str] = []
   for klass in cls.__mro__:
     for name in POLICY_METHODS.get(klass, ()):
@@ -234,6 +291,9 @@ _classes_lock = threading.Lock()
 def _policy_class(cls: type) -> type:
   """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
   key = (cls, _methods_for(cls))
+  sub = _classes.get(key)
+  if sub is not None:
+    return sub
   with _classes_lock:
     sub = _classes.get(key)
     if sub is None:
@@ -283,8 +343,28 @@ def _is_node(x: Any) -> bool:
   return isinstance(x, (nnx.Variable, nnx.Pytree))
 
 
+def _is_plain_array(x: Any) -> bool:
+  """A ``jax.Array`` or an array tracer (not a hijax Variable's): a leaf to cast as is."""
+  if isinstance(x, jax.core.Tracer):
+    return type(x.aval) is jax.core.ShapedArray
+  return isinstance(x, jax.Array)
+
+
+def _cast_array(x: Any, dtype: np.dtype) -> Any:
+  if x.dtype == dtype or not is_floating_array(x):
+    return x
+  return jax.lax.convert_element_type(x, dtype)  # x.astype(dtype), with fewer checks
+
+
 def _cast_values(tree: Any, dtype: np.dtype) -> Any:
   """Casts floating arrays in ``tree``; Variables, Rngs and modules pass untouched."""
+  # Most calls pass and return plain arrays: no tree to build.
+  if _is_plain_array(tree):
+    return _cast_array(tree, dtype)
+  if type(tree) is tuple and all(_is_plain_array(x) for x in tree):
+    return tuple(_cast_array(x, dtype) for x in tree)
+  if type(tree) is dict and not tree:
+    return tree
   return jax.tree.map(lambda x: x if _is_node(x) else cast_floating(x, dtype), tree,
                       is_leaf=_is_node)
 
@@ -297,23 +377,40 @@ _READ_AS_COMPUTE = (nnx.Param, nnx.Cache)
 _CONTAINERS = (nnx.List, nnx.Dict)
 
 
+# How _owned_variables treats an attribute, by type (see _kind).
+_SKIP, _OWN, _SUBMODULE, _ATTRS, _ITEMS, _VALUES = range(6)
+_holds: dict[type, int] = {}
+
+
+def _holding(x: Any) -> int:
+  how = _holds.get(type(x))
+  if how is None:
+    how = (_OWN if isinstance(x, nnx.Variable) else
+           _SUBMODULE if isinstance(x, nnx.Module) and not isinstance(x, _CONTAINERS) else
+           _ATTRS if isinstance(x, nnx.Pytree) else  # nnx.List, nnx.Dict, nnx.Rngs, ...
+           _ITEMS if isinstance(x, (list, tuple)) else
+           _VALUES if isinstance(x, dict) else _SKIP)
+    if not isinstance(x, jax.core.Tracer):  # a tracer may be a hijax Variable
+      _holds[type(x)] = how
+  return how
+
+
 def _owned_variables(module: nnx.Module) -> list[nnx.Variable]:
   """The Variables ``module`` holds itself: not through a submodule."""
   found: dict[int, nnx.Variable] = {}
 
   def visit(x: Any) -> None:
-    if isinstance(x, nnx.Variable):
+    how = _holding(x)
+    if how == _OWN:
       found.setdefault(id(x), x)
-    elif isinstance(x, nnx.Module) and not isinstance(x, _CONTAINERS):
-      return
-    elif isinstance(x, nnx.Pytree):  # nnx.List, nnx.Dict, nnx.Rngs, ...
+    elif how == _ATTRS:
       for name, value in vars(x).items():
         if not name.startswith("_pytree__"):
           visit(value)
-    elif isinstance(x, (list, tuple)):
+    elif how == _ITEMS:
       for value in x:
         visit(value)
-    elif isinstance(x, dict):
+    elif how == _VALUES:
       for value in x.values():
         visit(value)
 
@@ -513,14 +610,18 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
     for name, value in fp8_lib.nnx_fields(module, policy).items():  # FP8: jaxamp.fp8
       _set_attr(module, name, value, undo)
-    scopes = _state.calls[-1].scopes
-    with (jax.named_scope(scope_name(scopes[id(module)]))
-          if scopes is not None and id(module) in scopes else contextlib.nullcontext()):
-      if fn in _RECOMPUTED and _state.calls[-1].recompute_norms and _widens(args, kwargs,
-                                                                             compute):
-        out = _recomputed(module, fn, compute, args, kwargs)
-      else:
-        out = fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
+    call = _state.calls[-1]
+
+    def run() -> Any:
+      if fn in _RECOMPUTED and call.recompute_norms and _widens(args, kwargs, compute):
+        return _recomputed(module, fn, compute, args, kwargs)
+      return fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
+
+    if call.scopes is not None and id(module) in call.scopes:  # a census run
+      with jax.named_scope(scope_name(call.scopes[id(module)])):
+        out = run()
+    else:
+      out = run()
   finally:
     for step in reversed(undo):
       step()
