@@ -418,11 +418,7 @@ def _fast_path_missing(policy: Policy) -> str | None:
             "float32 accumulation, e.g. in jax.nn.dot_product_attention); expect float16 to "
             "be slower than float32 here")
   if backend == "gpu":
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-      major = float(cc) if cc is not None else None
-    except ValueError:
-      major = None
+    cc, major = _compute_capability()
     if major is not None:
       need = 8.0 if compute == np.dtype(jnp.bfloat16) else 7.0
       if major < need:
@@ -431,14 +427,20 @@ def _fast_path_missing(policy: Policy) -> str | None:
   return None
 
 
+def _compute_capability() -> tuple[Any, float | None]:
+  """The first device's compute capability as reported (e.g. ``'9.0'``) and as a number
+  (None where it reports none or something else)."""
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return cc, (float(cc) if cc is not None else None)
+  except ValueError:
+    return cc, None
+
+
 def _fp8_fast_path_missing() -> str | None:
   backend = jax.default_backend()
   if backend == "gpu":
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-      version = float(cc) if cc is not None else None
-    except ValueError:
-      version = None
+    cc, version = _compute_capability()
     if version is not None and version < 8.9:
       return (f"FP8 matmuls need a GPU of compute capability >= 8.9 (Ada, Hopper, "
               f"Blackwell); this one is {cc}, so XLA upcasts them")

@@ -254,7 +254,10 @@ def test_slow_path_warning_is_given_once(monkeypatch):
 @pytest.mark.parametrize("cc,dtype,warns", [("7.5", "mixed_bfloat16", True),
                                             ("8.0", "mixed_bfloat16", False),
                                             ("6.1", "mixed_float16", True),
-                                            ("7.0", "mixed_float16", False)])
+                                            ("7.0", "mixed_float16", False),
+                                            ("8.6", "mixed_fp8", True),  # Ampere: no FP8
+                                            ("8.9", "mixed_fp8", False),
+                                            ("9.0", "mixed_fp8_current", False)])
 def test_gpu_compute_capability_rules(monkeypatch, cc, dtype, warns):
   class FakeGPU:
     compute_capability = cc
