@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ["ModuleMatmul", "module_matmuls", "scope_name", "float32_in_half_modules",
-           "warn_float32_matmuls", "HALF_DTYPES"]
+           "warn_float32_matmuls", "HALF_DTYPES", "FP8_DTYPES"]
 
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
-_FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 _SCOPE = "jaxamp_module_"
 _SCOPE_RE = re.compile(re.escape(_SCOPE) + r"(\d+)")
 
@@ -68,7 +68,7 @@ class ModuleMatmul(NamedTuple):
   @property
   def is_half(self) -> bool:
     """Whether both operands are float16 or bfloat16 (or 8-bit floats: FP8 matmuls)."""
-    low = HALF_DTYPES | _FP8_DTYPES
+    low = HALF_DTYPES | FP8_DTYPES
     return self.lhs_dtype in low and self.rhs_dtype in low
 
 

@@ -42,10 +42,10 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from jaxamp.census import FP8_DTYPES, HALF_DTYPES
+
 __all__ = ["MatmulOp", "PrecisionReport", "precision_report"]
 
-_HALF_DTYPES = frozenset({"float16", "bfloat16"})
-_FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 
 
 class MatmulOp(NamedTuple):
@@ -85,12 +85,12 @@ class MatmulOp(NamedTuple):
   @property
   def is_half(self) -> bool:
     """Whether both operands are float16 or bfloat16."""
-    return self.lhs_dtype in _HALF_DTYPES and self.rhs_dtype in _HALF_DTYPES
+    return self.lhs_dtype in HALF_DTYPES and self.rhs_dtype in HALF_DTYPES
 
   @property
   def is_fp8(self) -> bool:
     """Whether both operands are 8-bit floats (E4M3, E5M2: an FP8 policy's matmuls)."""
-    return self.lhs_dtype in _FP8_DTYPES and self.rhs_dtype in _FP8_DTYPES
+    return self.lhs_dtype in FP8_DTYPES and self.rhs_dtype in FP8_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
