@@ -117,6 +117,11 @@ def _module_path(module: nn.Module) -> Path:
   return tuple(str(p) for p in module.path)
 
 
+def _inside_lifted(path: Path, lifted: frozenset[Path]) -> bool:
+  """Whether the module at ``path`` is the body of a lifted transform or runs inside one."""
+  return any(path[:len(body)] == body for body in lifted)
+
+
 def _is_lifted_body(module: nn.Module) -> bool:
   # Flax's lifted transforms run a clone of the module bound straight to a scope
   # (its parent is that scope, not a module); only a top module is bound so otherwise.
@@ -389,10 +394,11 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     running.append(module)
     try:
       with contextlib.ExitStack() as stack:
-        stack.enter_context(_fields_set(module, {
-            **_dtype_fields(module, policy),
-            **fp8_lib.linen_fields(module, path, policy,  # FP8 matmuls: jaxamp.fp8
-                                   any(path[:len(p)] == p for p in lifted))}))
+        fields = _dtype_fields(module, policy)
+        if policy.fp8 is not None:  # FP8 matmuls: jaxamp.fp8
+          fields = {**fields, **fp8_lib.linen_fields(module, path, policy,
+                                                     _inside_lifted(path, lifted))}
+        stack.enter_context(_fields_set(module, fields))
         if scopes is not None:
           stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
                                                                             len(scopes)))))
@@ -688,5 +694,5 @@ def module_plan(module: nn.Module, variables: Any, *args: Any,
     plan = _apply_plan(module, variables, args, kwargs)
   policies = resolve_tree(plan.modules, model_policy)
   inside = frozenset(path_name(path) for path, _ in plan.modules
-                     if any(path[:len(body)] == body for body in plan.lifted))
+                     if _inside_lifted(path, plan.lifted))
   return [(path_name(path), cls, policies[path]) for path, cls in plan.modules], inside

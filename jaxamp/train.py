@@ -484,9 +484,12 @@ class TrainStep:
           raise ValueError("init(model) takes no variables or example inputs for an NNX "
                            "model.")
         plan = amp_nnx.module_policies(model, self.policy)
-        stacked = {path_name(path) for path, node in nnx.iter_graph(model)
-                   if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
-        fp8_plan = [row for row in plan if row[0] not in stacked]
+        fp8_plan = plan
+        if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in plan):
+          # Layers holding one kernel per nnx.scan step run FP8 with current scaling.
+          stacked = {path_name(path) for path, node in nnx.iter_graph(model)
+                     if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
+          fp8_plan = [row for row in plan if row[0] not in stacked]
         graphdef, params, model_state = _NNXAdapter.split(model)
         self._adapter = _NNXAdapter(graphdef, self.recompute_norms)
       else:
@@ -751,12 +754,11 @@ class TrainStep:
                        else a[-1], auxes)
     return grads, jnp.mean(losses), aux, model_state, fp8
 
-  def _reduce(self, grads, loss, aux, model_state):
-    axis = self._batch_axes
-    dt = self.grad_reduce_dtype
-    grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axis).astype(g.dtype), grads)
-    return (grads, jax.lax.pmean(loss, axis), _mean_floats(aux, axis),
-            _mean_floats(model_state, axis))
+  def _reduce(self, loss, aux, model_state):
+    """Inside shard_map: the loss, aux and model state averaged over the batch axes (the
+    floating leaves; counters and keys as they are)."""
+    axes = self._batch_axes
+    return jax.lax.pmean(loss, axes), _mean_floats(aux, axes), _mean_floats(model_state, axes)
 
   def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
     if self.mesh is None:
@@ -771,7 +773,10 @@ class TrainStep:
       rng, keys = _per_device_keys(rng, model_state, axis)
       grads, loss, aux, new_state, new_fp8 = self._loss_and_grads(
           params, keys, batch, rng, scale, fp8)
-      return (*self._reduce(grads, loss, aux, _shared_keys(new_state, model_state)),
+      dt = self.grad_reduce_dtype
+      grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axis).astype(g.dtype),
+                           grads)
+      return (grads, *self._reduce(loss, aux, _shared_keys(new_state, model_state)),
               fp8_lib.reduce_state(new_fp8, fp8, self._fp8_recipes, axis))
 
     sharded = jax.shard_map(local, mesh=self.mesh,
@@ -838,10 +843,8 @@ class TrainStep:
       full = self._gather(params)
       grads, loss, aux, new_state, new_fp8 = self._loss_and_grads(
           full, keys, batch, rng, scale, fp8, keep_float32=True)
-      new_state = _shared_keys(new_state, model_state)
-      grads = self._reduce_scatter(grads, params)
-      return (grads, jax.lax.pmean(loss, axes), _mean_floats(aux, axes),
-              _mean_floats(new_state, axes),
+      return (self._reduce_scatter(grads, params),
+              *self._reduce(loss, aux, _shared_keys(new_state, model_state)),
               fp8_lib.reduce_state(new_fp8, fp8, self._fp8_recipes, axes))
 
     specs = self.param_specs
