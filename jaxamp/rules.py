@@ -187,6 +187,13 @@ def _current() -> list[Rule]:
     return list(rules.values())
 
 
+def asks_for_fp8(model_policy: Policy) -> bool:
+  """Whether ``model_policy`` or a rule in force (a policy function evaluated inside
+  ``model_policy``) gives some module an FP8 policy."""
+  return model_policy.fp8 is not None or any(
+      rule.policy(model_policy).fp8 is not None for rule in _current())
+
+
 _GLOB_TOKENS = re.compile(r"\*\*/|/\*\*$|^\*\*$|\*|\?|/|[^*?/]+")
 _GLOB_REGEX = {"**/": "(?:[^/]+/)*", "/**": "(?:/[^/]+)*", "**": ".*", "*": "[^/]*", "?": "[^/]"}
 

@@ -66,7 +66,7 @@ from jaxamp.casting import cast_floating, is_floating_array
 from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import norm_defaults, path_name
+from jaxamp.rules import asks_for_fp8, norm_defaults, path_name
 from jaxamp.summary import cast_module_params
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
@@ -503,7 +503,7 @@ class TrainStep:
           # Layers inside nn.scan & co. run FP8 with current scaling: no state for them.
           fp8_plan = [row for row in plan if row[0] not in lifted]
         self._adapter = _LinenAdapter(model, self.recompute_norms)
-        if plan is None and self.policy.fp8 is not None:
+        if plan is None and asks_for_fp8(self.policy):
           raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
                            "train.init(module, variables, *example_args) finds the Dense "
                            "layers that keep FP8 state from them.")

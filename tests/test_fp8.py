@@ -283,6 +283,12 @@ def test_linen_dense_state_and_lowering():
                                      jaxamp.DelayedScaling(amax_history_len=8)))
   with pytest.raises(ValueError, match="example inputs"):
     train.init(M(), variables)
+  # FP8 asked for by a rule only: the same (without the inputs it would get no state).
+  with jaxamp.policy_rules({"head": "mixed_fp8"}):
+    ruled = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                   policy="mixed_bfloat16")
+    with pytest.raises(ValueError, match="example inputs"):
+      ruled.init(M(), variables)
   state = train.init(M(), variables, x)
   assert set(state.fp8) == {"Dense_0", "head"}
   state, _ = train.step(state, x)
