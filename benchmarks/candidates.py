@@ -96,7 +96,7 @@ def _jaxamp_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation,
     return jaxamp.precision_report(loss, params, rest, batch, backward=True)
 
   return Candidate("jaxamp", label, train.step, state, batch, report, _precision(label),
-                   items, call=train.step)
+                   items, call=train.step, trace=train.trace)
 
 
 def _hand_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, label: str,
@@ -263,7 +263,7 @@ def _jaxamp_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) 
   report = lambda: jaxamp.precision_report(loss, state.params, state.model_state, batch,
                                            backward=True)
   return Candidate("jaxamp", label, train.step, state, batch, report, _precision(label),
-                   cfg.batch, call=train.step)
+                   cfg.batch, call=train.step, trace=train.trace)
 
 
 def _hand_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) -> Candidate:

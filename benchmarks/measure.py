@@ -2,7 +2,7 @@
 
 A :class:`Candidate` is one way of running one model under one policy: a pure step
 ``step(state, batch) -> (state, out)`` and its inputs. :func:`measure` compiles each
-ahead of time (``jax.jit(step, donate_argnums=0).lower(...).compile()``, timed), reads
+ahead of time (``Candidate.traced(...).lower().compile()``, timed), reads
 XLA's memory figures from the compiled executable, asks :func:`jaxamp.precision_report`
 what its matmuls run in, then times the compiled executables *interleaved*: after a
 warm-up, every round runs each candidate for a few steps, in an order that rotates
@@ -45,6 +45,10 @@ class Candidate:
     call: the user-facing entry point running ``step`` (``train.step`` for jaxamp), timed
       instead of the ahead-of-time executable when :func:`measure` gets ``aot=False``;
       None means ``jax.jit(step, donate_argnums=0)``.
+    trace: ``trace(state, batch) -> jax.stages.Traced`` of the user-facing entry point
+      (``train.trace`` for jaxamp: what a first ``train.step`` call traces, not a ``jit``
+      wrapped around it); None means ``jax.jit(step, donate_argnums=0).trace``. Every
+      compile and lowering measurement starts from it.
   """
 
   impl: str
@@ -56,10 +60,16 @@ class Candidate:
   matmul_precision: str | None = None
   items: int | None = None
   call: Callable[[Any, Any], tuple[Any, Any]] | None = None
+  trace: Callable[[Any, Any], Any] | None = None
 
   @property
   def name(self) -> str:
     return f"{self.impl} / {self.policy}"
+
+  def traced(self, state: Any, batch: Any) -> Any:
+    """The step traced for ``state`` and ``batch`` (arrays or ShapeDtypeStructs)."""
+    trace = self.trace or jax.jit(self.step, donate_argnums=0).trace
+    return trace(state, batch)
 
 
 @dataclasses.dataclass
@@ -123,7 +133,7 @@ def memory_figures(compiled: Any) -> dict[str, int]:
 def _compile(c: Candidate) -> tuple[Any, float]:
   start = time.perf_counter()
   with _precision(c.matmul_precision):
-    compiled = jax.jit(c.step, donate_argnums=0).lower(c.state, c.batch).compile()
+    compiled = c.traced(c.state, c.batch).lower().compile()
   return compiled, time.perf_counter() - start
 
 
@@ -267,7 +277,7 @@ def lower_for(c: Candidate, platform: str) -> Lowering:
   start = time.perf_counter()
   try:
     with _precision(c.matmul_precision):
-      lowered = jax.jit(c.step).trace(abstract(c.state), abstract(c.batch)).lower(
+      lowered = c.traced(abstract(c.state), abstract(c.batch)).lower(
           lowering_platforms=(platform,))
     seconds = time.perf_counter() - start
     ops, _, _, _ = report_lib._parse_module(report_lib._module_text(lowered))  # pylint: disable=protected-access
@@ -306,7 +316,7 @@ class CompileCost:
 
 def compile_cost(c: Candidate, layers: int, reps: int,
                  clock: Callable[[], float] = time.process_time) -> CompileCost:
-  """Times ``jax.jit(c.step).trace``, ``.lower`` and ``.compile`` ``reps`` times.
+  """Times ``c.traced`` (the trace), ``.lower`` and ``.compile`` ``reps`` times.
 
   By default in CPU seconds of this process (``time.process_time``: every thread, so
   XLA's parallel compile counts in full), which other programs running on the machine
@@ -338,7 +348,7 @@ def compile_costs(cs: Sequence[Candidate], layers: int, reps: int, trace_reps: i
         jax.clear_caches()
         with _precision(c.matmul_precision):
           start = clock()
-          traced = jax.jit(c.step, donate_argnums=0).trace(state, batch)
+          traced = c.traced(state, batch)
           traced_at = clock()
           cost.trace_s.append(traced_at - start)
           if rep >= reps:

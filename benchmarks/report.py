@@ -273,7 +273,8 @@ def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[
       "**× vs hand-written**: jaxamp's step time over the hand-written Flax step's with the "
       "same policy (lower is better; 1.000 is no overhead). — : does not apply; n/a: could "
       "not be measured.",
-      "- **compile s**: `jax.jit(step).lower(...).compile()`, tracing included. **XLA peak / "
+      "- **compile s**: `.trace(...).lower().compile()` of the step (`train.trace` for jaxamp, "
+      "`jax.jit(step)` otherwise), tracing included. **XLA peak / "
       "temp MiB**: `compiled.memory_analysis()` (peak: live arguments, outputs and "
       "temporaries; the state is donated; where the backend's own peak is below its temp "
       "size, as on XLA:CPU, arguments + outputs + temporaries − donated aliases).",

@@ -258,8 +258,10 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       "compile", "First-call cost: trace, lower, compile (issue 12)",
       f"The transformer LM of the `lm` section (dim {size.lm.dim}, batch {size.lm.batch} × "
       f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
-      "`jax.jit(step).trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's "
-      "`train.step` and of the hand-written step in CPU seconds of the process "
+      "`.trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's `train.step` "
+      "(`train.trace`: the state check and the trace of the step's own jitted function, "
+      "what a first `train.step` call runs) and of the hand-written "
+      "`jax.jit(step, donate_argnums=0)`, in CPU seconds of the process "
       "(`time.process_time`, all threads; other load on the machine does not count), "
       "each from cold caches "
       f"(`jax.clear_caches()`), median of {reps}"

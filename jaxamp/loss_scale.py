@@ -147,8 +147,23 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf], jnp.float16)]))
     False
   """
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_floating_array(x)]
-  return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+  # lax, not jnp: one primitive per operation (jnp wraps each in its own jit), which
+  # keeps the train step's trace short; the answer is the same.
+  checks = [_reduce_all(jax.lax.is_finite(x)) for x in jax.tree.leaves(tree)
+            if is_floating_array(x)]
+  return functools.reduce(jax.lax.bitwise_and, checks) if checks else jnp.asarray(True)
+
+
+def _reduce_all(x: jax.Array) -> jax.Array:
+  return jax.lax.reduce_and(x, tuple(range(x.ndim))) if x.ndim else x
+
+
+def _sum_of_squares(x: jax.Array) -> jax.Array:
+  """``sum(x ** 2)`` in float32, in lax primitives."""
+  if x.dtype != jnp.float32:
+    x = jax.lax.convert_element_type(x, jnp.float32)
+  square = jax.lax.square(x)
+  return jax.lax.reduce_sum(square, tuple(range(x.ndim))) if x.ndim else square
 
 
 def _zero_unless(finite: jax.Array, tree: Any) -> Any:
@@ -198,20 +213,30 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
 
 def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
                              ) -> tuple[Any, jax.Array, jax.Array]:
-  """``unscale(grads, scale)``, its global norm and whether all of it is finite.
+  """``unscale(grads, scale)``, its global norm (float32) and whether that norm is finite.
 
-  One reduction gives both: a finite sum of squares means every element is finite. Only
-  when it is not (an inf or NaN, or squares past the float32 range) does an exact check
-  run, so the answer is exactly ``all_finite(unscale(grads, scale))``, the loss scale's
-  own test. ``scale=None``: the gradients were never scaled (no division is traced).
+  One sum of squares gives both. The norm is finite exactly when every element is finite
+  and the sum of squares stays within float32's range (a norm below about 1.8e19).
+  Gradients past that are treated like an overflow: clipping by global norm would turn
+  them into a zero update, and Adam's second moment would hold inf from then on.
+  Gradients computed in float16 stay far below it. No
+  exact per-element check is traced besides: it would double the number of reductions
+  XLA compiles for a distinction that no update could use. ``scale=None``: the gradients
+  were never scaled (no division is traced).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.loss_scale import unscaled_norm_and_finite
+    >>> _, norm, finite = unscaled_norm_and_finite({'w': jnp.array([3.0, 4.0])}, None)
+    >>> float(norm), bool(finite)
+    (5.0, True)
+    >>> bool(unscaled_norm_and_finite({'w': jnp.array([1e20, 0.0])}, None)[2])
+    False
   """
   unscaled = grads if scale is None else unscale(grads, scale)
   leaves = [x for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
-  squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
-  total = functools.reduce(jnp.add, squares, jnp.zeros([], jnp.float32))
-  finite = jax.lax.cond(jnp.isfinite(total), lambda: jnp.asarray(True),
-                        lambda: all_finite(leaves))
-  return unscaled, jnp.sqrt(total), finite
+  total = functools.reduce(jax.lax.add, map(_sum_of_squares, leaves), np.float32(0))
+  return unscaled, jax.lax.sqrt(total), jax.lax.is_finite(total)
 
 
 _rules_seen = threading.local()
@@ -302,19 +327,29 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
       if not known:
         updates = _zero_unless(finite, updates)
 
+    # What a known verdict decides is decided in Python: the step traces only its branch.
     count = state.growth_count + 1
+    grow = np.bool_(False) if growth_interval is None else count >= growth_interval
     if growth_interval is None:
-      grow = jnp.asarray(False)
+      grown = scale
     else:
-      grow = count >= growth_interval
-    grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
-    backed_off = jnp.maximum(scale * backoff_factor, min_scale)
-    new_scale = jnp.clip(jnp.where(finite, grown, backed_off), min_scale, max_scale)
+      grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
+    backed_off = lambda: jnp.maximum(scale * backoff_factor, min_scale)
+    if known is None:
+      new_scale = jnp.where(finite, grown, backed_off())
+      growth_count = jnp.where(finite & ~grow, count, 0)
+      overflow_steps = state.overflow_steps + jnp.where(finite, 0, 1)
+    elif known:
+      new_scale = grown
+      growth_count = count if growth_interval is None else jnp.where(grow, 0, count)
+      overflow_steps = state.overflow_steps
+    else:
+      new_scale, growth_count, overflow_steps = backed_off(), 0, state.overflow_steps + 1
     new_state = LossScaleState(
-        scale=new_scale.astype(jnp.float32),
-        growth_count=jnp.where(finite & ~grow, count, 0).astype(jnp.int32),
+        scale=jnp.clip(new_scale, min_scale, max_scale).astype(jnp.float32),
+        growth_count=jnp.asarray(growth_count, jnp.int32),
         finite=finite,
-        overflow_steps=(state.overflow_steps + jnp.where(finite, 0, 1)).astype(jnp.int32))
+        overflow_steps=jnp.asarray(overflow_steps, jnp.int32))
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

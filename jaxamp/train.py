@@ -87,7 +87,8 @@ class TrainState(NamedTuple):
     model_state: non-trainable state: BatchNorm statistics, NNX RNG streams, other
       Linen collections.
     rng: a PRNG key, split on each applied (not skipped) step for Linen's ``'dropout'``
-      stream (NNX models carry their RNG streams in ``model_state``).
+      stream; unused and kept as is for NNX models (they carry their RNG streams in
+      ``model_state``).
     fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
       scales), updated by the step's forward and backward passes, never by the
       optimizer, and kept as is on a skipped step; None without FP8 modules.
@@ -229,10 +230,12 @@ def _state_mismatch(state: Any, expected: Any) -> str | None:
       return f"its {field} has another structure than this step's{why}"
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
     for (path, g), w in zip(got_leaves, jax.tree.leaves(want)):
-      if (jnp.shape(g), jnp.result_type(g)) != (w.shape, w.dtype):
-        return (f"its {field}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
-                f"{list(jnp.shape(g))} where this step's is {w.dtype}{list(w.shape)} (made "
-                "under another policy or model?)")
+      shape, dtype = ((g.shape, g.dtype) if isinstance(g, jax.ShapeDtypeStruct)
+                      else (jnp.shape(g), jnp.result_type(g)))
+      if (shape, dtype) != (w.shape, w.dtype):
+        return (f"its {field}{jax.tree_util.keystr(path)} is {dtype}{list(shape)} where "
+                f"this step's is {w.dtype}{list(w.shape)} (made under another policy or "
+                "model?)")
   return None
 
 
@@ -341,6 +344,32 @@ def _mean_floats(tree: Any, axes: Any) -> Any:
   """Inside ``shard_map``: floating leaves averaged over ``axes``, the rest as they are."""
   return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
                       if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
+
+
+def _flat_cond(pred: jax.Array, true_fn: Callable[[Any], Any],
+               false_fn: Callable[[Any], Any], operands: Any) -> Any:
+  """``jax.lax.cond(pred, true_fn, false_fn, operands)``, given the operands' leaves.
+
+  The same program; only cheaper to trace. ``cond`` names every leaf of a structured
+  operand and result by its key path and rebuilds the trees several times, which for a
+  train state of hundreds of leaves (NNX ``State``s) is a noticeable share of the
+  step's trace; here each tree is flattened and rebuilt once.
+  """
+  leaves, treedef = jax.tree.flatten(operands)
+  out_trees = []
+
+  def branch(fn: Callable[[Any], Any]) -> Callable[..., list[Any]]:
+    def run(*leaves: Any) -> list[Any]:
+      out, out_tree = jax.tree.flatten(fn(treedef.unflatten(leaves)))
+      out_trees.append(out_tree)
+      return out
+    return run
+
+  out = jax.lax.cond(pred, branch(true_fn), branch(false_fn), *leaves)
+  if out_trees[0] != out_trees[1]:
+    raise TypeError(f"cond branches return different structures: {out_trees[0]} and "
+                    f"{out_trees[1]}")
+  return out_trees[0].unflatten(out)
 
 
 def _float16_leaves(params: Any) -> list[Any]:
@@ -654,6 +683,31 @@ class TrainStep:
     self._last_state = new_state
     return new_state, metrics
 
+  def trace(self, state: TrainState, batch: Any) -> Any:
+    """``step`` checked and traced, never lowered, compiled or run: a ``jax.stages.Traced``.
+
+    What a first ``step`` call does before XLA sees the program, for ahead-of-time use
+    (``train.trace(state, batch).lower().compile()``) or to read the step's jaxpr.
+    ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct``s (e.g.
+    :func:`abstract_state`); this step's own jitted function is traced, so its jit cache
+    is the one ``step`` then uses.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      ...                                policy='mixed_bfloat16')
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> traced = train.trace(jaxamp.abstract_state(state), jnp.ones((8, 4)))
+      >>> any(e.primitive.name == 'cond' for e in traced.jaxpr.eqns)  # the exact skip
+      True
+    """
+    if self._step_jit is None:
+      raise RuntimeError("Call train.init(...) before train.trace(...).")
+    if state is not self._last_state:
+      self.check_state(state)
+    return self._step_jit.trace(state, batch)
+
   def lower(self, state: TrainState, batch: Any, *,
             platforms: Sequence[str] | None = None) -> Any:
     """``step`` traced and lowered, never compiled or run: a ``jax.stages.Lowered``.
@@ -671,9 +725,7 @@ class TrainStep:
       >>> 'bf16' in text and 'dot_general' in text
       True
     """
-    if self._step_jit is None:
-      raise RuntimeError("Call train.init(...) before train.lower(...).")
-    traced = self._step_jit.trace(state, batch)
+    traced = self.trace(state, batch)
     return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
@@ -885,31 +937,40 @@ class TrainStep:
   def _step_body(self, state: TrainState, batch: Any):
     scale = (jnp.ones([], _F32) if self._unit_scale
              else _ls.get_loss_scale(state.opt_state))
-    next_rng, step_rng = jax.random.split(state.rng)
+    if isinstance(self._adapter, _NNXAdapter):  # its RNG streams live in model_state
+      next_rng = step_rng = state.rng
+    else:
+      next_rng, step_rng = jax.random.split(state.rng)
     grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
     # What the optimizer receives: float32 for master weights, else each param's dtype.
     opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
-    # One reduction gives the metric and the verdict, exactly the loss scale's own test;
+    # One reduction gives the metric and the verdict (a finite float32 global norm: every
+    # element finite, and no norm past float32's range, which no update could use);
     # the update then runs only on a finite step (lax.cond, not a select over every
     # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
     # select keeps old and new copies of everything alive).
     opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
         opt_grads, None if self._unit_scale else scale)
 
-    def apply(_):
+    # The branches take everything they read as operands: values closed over would become
+    # constants of each branch, which cond then merges, a trace cost growing with the
+    # state's size.
+    def apply(operands):
+      state, opt_grads, model_state, next_rng, fp8 = operands
       opt_state, params = self._update(state, opt_grads, finite=True)
       # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
       # would be stored as inf: skip such a step like an overflowing one.
       params_finite = self._params_finite(params)
       if params_finite is None:
-        return params, opt_state, model_state, next_rng, fp8, jnp.asarray(True)
+        return params, opt_state, model_state, next_rng, fp8, np.bool_(True)
       opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
       keep = lambda new, old: _ls._select_tree(params_finite, new, old)
       return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
               keep(next_rng, state.rng), keep(fp8, state.fp8), params_finite)
 
-    def skip(_):
+    def skip(operands):
       # Only the loss scale moves (it backs off); the rest of the state is kept.
+      state, opt_grads = operands[:2]
       if self._overflow is not None:
         opt_state = jax.tree.map(
             lambda s: self._overflow(s) if isinstance(s, _ls.LossScaleState) else s,
@@ -917,10 +978,10 @@ class TrainStep:
       else:
         opt_state, _ = self._update(state, opt_grads, finite=False)
       return (state.params, opt_state, state.model_state, state.rng, state.fp8,
-              jnp.asarray(True))
+              np.bool_(True))
 
-    params, opt_state, model_state, next_rng, fp8, params_finite = jax.lax.cond(
-        grads_finite, apply, skip, None)
+    params, opt_state, model_state, next_rng, fp8, params_finite = _flat_cond(
+        grads_finite, apply, skip, (state, opt_grads, model_state, next_rng, fp8))
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
         "loss": loss,

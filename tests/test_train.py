@@ -186,6 +186,29 @@ def test_injected_inf_matches_control_run_bit_for_bit(api):
                      optax.tree_utils.tree_get(state_b.opt_state, "ScaleByAdamState"))
 
 
+def test_gradients_whose_norm_leaves_float32_skip_the_step():
+  # Every element finite, the global norm past float32's range (~1.8e19): skipped like an
+  # overflow (clipping would zero it, Adam's second moment would hold inf from then on).
+  def loss(model, batch):
+    return jnp.sum(model(batch["x"])) * batch["factor"]
+
+  train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy="float32", donate=False)
+  state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  x = jnp.ones((8, 4))
+  huge, metrics = train.step(state, {"x": x, "factor": jnp.float32(1e19)})
+  grads = jax.grad(lambda w: jnp.sum(x @ w) * jnp.float32(1e19))(state.params["kernel"])
+  assert bool(jnp.all(jnp.isfinite(grads)))  # the elements themselves are finite
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  assert np.isinf(float(metrics["grad_norm"]))
+  assert_trees_equal(huge.params, state.params)
+  assert_trees_equal(optax.tree_utils.tree_get(huge.opt_state, "ScaleByAdamState"),
+                     optax.tree_utils.tree_get(state.opt_state, "ScaleByAdamState"))
+  applied, metrics = train.step(huge, {"x": x, "factor": jnp.float32(1e17)})
+  assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  assert np.isfinite(float(metrics["grad_norm"]))
+  assert not np.array_equal(applied.params["kernel"], huge.params["kernel"])
+
+
 def test_grad_accumulation_matches_one_big_batch():
   batch = make_batches(1, size=32)[0]
   results = {}
