@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import statistics
 import time
 import warnings
@@ -346,6 +347,7 @@ def compile_costs(cs: Sequence[Candidate], layers: int, reps: int, trace_reps: i
         continue
       try:
         jax.clear_caches()
+        gc.collect()  # a collection the previous repetition left due lands on no one
         with _precision(c.matmul_precision):
           start = clock()
           traced = c.traced(state, batch)

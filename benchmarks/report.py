@@ -230,11 +230,15 @@ def compile_table(section: Section, limits: dict[str, float]) -> list[str]:
     for what in ("trace_s", "lower_s", "compile_s"):
       a, h = amp.median(what), hand.median(what)
       row += [_fmt(a, 2), _fmt(h, 2), _fmt(a / h if h else None, 2)]
+    # The repetitions pair up (each ran both steps, back to back): their ratios' range.
+    per_rep = [x / y for x, y in zip(amp.compile_s, hand.compile_s) if y]
+    row.append(f"{min(per_rep):.2f}–{max(per_rep):.2f}" if per_rep else "—")
     a, h = amp.memory.get("temp"), hand.memory.get("temp")
     row += [_mib(a), _mib(h), _fmt(a / h if a is not None and h else None, 3)]
     rows.append(row)
   header = ["layers", "policy", "trace s", "hand", "×", "lower s", "hand", "×",
-            "XLA compile s", "hand", f"× (≤ {limits['time']})", "XLA temp MiB", "hand",
+            "XLA compile s", "hand", f"× (≤ {limits['time']})", "× per repetition",
+            "XLA temp MiB", "hand",
             f"× (≤ {limits['temp']})"]
   return _table(header, rows)
 

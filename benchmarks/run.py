@@ -84,7 +84,7 @@ class Size:
   # Policies the LM section adds for jaxamp (FP8: lowered and measured at --size gpu).
   lm_extra: tuple[str, ...] = ()
   compile_layers: tuple[int, ...] = (2, 48)
-  compile_reps: int = 3
+  compile_reps: int = 5
   compile_trace_reps: int = 4  # more repetitions timing the trace alone
   # The overhead section's other two models: the parameter-heavy MLP the trials used
   # (256-1024x3-10, batch 64) and a small ResNet (BatchNorm).
@@ -264,7 +264,7 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       "`jax.jit(step, donate_argnums=0)`, in CPU seconds of the process "
       "(`time.process_time`, all threads; other load on the machine does not count), "
       "each from cold caches "
-      f"(`jax.clear_caches()`), median of {reps}"
+      f"(`jax.clear_caches()`, then `gc.collect()`), median of {reps}"
       + (f" (trace: of {reps + size.compile_trace_reps}, {size.compile_trace_reps} of them "
          "tracing only)" if size.compile_trace_reps else "")
       + ", the two steps taking turns in every repetition; XLA temp MiB from "

@@ -257,6 +257,8 @@ def test_benchmark_compile_section():
   amp, hand = section.results
   assert cells[:2] == ["1", "mixed_bfloat16"]
   assert cells[4] == f"{amp.median('trace_s') / hand.median('trace_s'):,.2f}"
+  ratio = amp.compile_s[0] / hand.compile_s[0]  # one repetition: its range is one ratio
+  assert cells[11] == f"{ratio:.2f}–{ratio:.2f}"
   assert cells[-1] == f"{amp.memory['temp'] / hand.memory['temp']:,.3f}"
 
 
