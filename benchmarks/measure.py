@@ -315,9 +315,10 @@ class CompileCost:
     return out
 
 
-def compile_cost(c: Candidate, layers: int, reps: int,
-                 clock: Callable[[], float] = time.process_time) -> CompileCost:
-  """Times ``c.traced`` (the trace), ``.lower`` and ``.compile`` ``reps`` times.
+def compile_costs(cs: Sequence[Candidate], layers: int, reps: int, trace_reps: int = 0,
+                  clock: Callable[[], float] = time.process_time) -> list[CompileCost]:
+  """Times ``c.traced`` (the trace), ``.lower`` and ``.compile`` of each candidate,
+  ``reps`` times, taking turns.
 
   By default in CPU seconds of this process (``time.process_time``: every thread, so
   XLA's parallel compile counts in full), which other programs running on the machine
@@ -325,14 +326,6 @@ def compile_cost(c: Candidate, layers: int, reps: int,
 
   ``jax.clear_caches()`` before each repetition makes every one a first call, as a user's
   first ``train.step`` is (jaxamp's step is a jitted function inside: its cache too).
-  """
-  return compile_costs([c], layers, reps, clock=clock)[0]
-
-
-def compile_costs(cs: Sequence[Candidate], layers: int, reps: int, trace_reps: int = 0,
-                  clock: Callable[[], float] = time.process_time) -> list[CompileCost]:
-  """:func:`compile_cost` of several candidates, taking turns.
-
   Every repetition runs each candidate once, in an order that rotates, so a slow spell of
   the machine hits all of them rather than whichever ran then. ``trace_reps`` more
   repetitions time the trace alone: it is cheap, and at small sizes the noisiest.

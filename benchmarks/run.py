@@ -208,6 +208,11 @@ def _load() -> str:
     return "unknown"
 
 
+def _load_note(start: str) -> str:
+  return (f"Load average (1 min) at the start and end: {start} and {_load()} on "
+          f"{os.cpu_count()} cores.")
+
+
 def _eager_section(size: Size, policies, args) -> report.Section:
   cfg = size.lm
   load = _load()
@@ -222,9 +227,7 @@ def _eager_section(size: Size, policies, args) -> report.Section:
       "set by hand on every layer. Every op dispatches on its own, so the ratio is the "
       "wrapper's Python work per call over the model's. Interleaved rounds "
       f"({args.overhead_rounds} × {args.overhead_steps} calls), median of per-round ratios.",
-      results, notes=[f"Target: ≤ {EAGER_LIMIT}.",
-                      f"Load average (1 min) at the start and end: {load} and {_load()} "
-                      f"on {os.cpu_count()} cores."])
+      results, notes=[f"Target: ≤ {EAGER_LIMIT}.", _load_note(load)])
 
 
 def _first_call_notes(results) -> list[str]:
@@ -270,9 +273,7 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       + ", the two steps taking turns in every repetition; XLA temp MiB from "
       "`compiled.memory_analysis()`. Ratios are jaxamp over hand-written; targets ≤ "
       f"{COMPILE_LIMITS['time']} for times, ≤ {COMPILE_LIMITS['temp']} for temp bytes.",
-      results, notes=_first_call_notes(results) + [
-          f"Load average (1 min) at the start and end: {load} and {_load()} on "
-          f"{os.cpu_count()} cores."])
+      results, notes=_first_call_notes(results) + [_load_note(load)])
 
 
 def _lower_only(size: Size, impls, args) -> list[Lowering]:

@@ -63,7 +63,9 @@ def is_floating_dtype(dtype: Any) -> bool:
     return False
 
 
-def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+def cast_leaf(x: Any, dtype: np.dtype) -> Any:
+  """One leaf of :func:`cast_floating`: a floating array (or shape struct) in ``dtype``
+  (a ``np.dtype``, already checked to be floating), anything else as it is."""
   if not is_floating_array(x) or x.dtype == dtype:
     return x
   if isinstance(x, jax.ShapeDtypeStruct):
@@ -94,5 +96,5 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   if not _floating_dtype(dtype):
     raise ValueError(f"cast_floating casts to a floating dtype, got {dtype}.")
   if isinstance(tree, jax.Array):  # one array (a parameter read): no tree to walk
-    return _cast_leaf(tree, dtype)
-  return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)
+    return cast_leaf(tree, dtype)
+  return jax.tree.map(lambda x: cast_leaf(x, dtype), tree)

@@ -219,10 +219,10 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
   and the sum of squares stays within float32's range (a norm below about 1.8e19).
   Gradients past that are treated like an overflow: clipping by global norm would turn
   them into a zero update, and Adam's second moment would hold inf from then on.
-  Gradients computed in float16 stay far below it. No
-  exact per-element check is traced besides: it would double the number of reductions
-  XLA compiles for a distinction that no update could use. ``scale=None``: the gradients
-  were never scaled (no division is traced).
+  Gradients computed in float16 stay far below it. No exact per-element check is traced
+  besides: it would double the number of reductions XLA compiles for a distinction that
+  no update could use. ``scale=None``: the gradients were never scaled (no division is
+  traced).
 
   Example:
     >>> import jax.numpy as jnp
@@ -329,10 +329,10 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
 
     # What a known verdict decides is decided in Python: the step traces only its branch.
     count = state.growth_count + 1
-    grow = np.bool_(False) if growth_interval is None else count >= growth_interval
     if growth_interval is None:
-      grown = scale
+      grow, grown = np.bool_(False), scale
     else:
+      grow = count >= growth_interval
       grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
     backed_off = lambda: jnp.maximum(scale * backoff_factor, min_scale)
     if known is None:

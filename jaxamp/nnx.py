@@ -89,7 +89,7 @@ from flax import nnx
 from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importable)
 from flax.nnx import graph as _graph
 
-from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
+from jaxamp.casting import cast_floating, cast_leaf, is_floating_array, is_floating_dtype
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp import fp8 as fp8_lib
@@ -350,22 +350,16 @@ def _is_plain_array(x: Any) -> bool:
   return isinstance(x, jax.Array)
 
 
-def _cast_array(x: Any, dtype: np.dtype) -> Any:
-  if x.dtype == dtype or not is_floating_array(x):
-    return x
-  return jax.lax.convert_element_type(x, dtype)  # x.astype(dtype), with fewer checks
-
-
 def _cast_values(tree: Any, dtype: np.dtype) -> Any:
   """Casts floating arrays in ``tree``; Variables, Rngs and modules pass untouched."""
   # Most calls pass and return plain arrays: no tree to build.
   if _is_plain_array(tree):
-    return _cast_array(tree, dtype)
+    return cast_leaf(tree, dtype)
   if type(tree) is tuple and all(_is_plain_array(x) for x in tree):
-    return tuple(_cast_array(x, dtype) for x in tree)
+    return tuple(cast_leaf(x, dtype) for x in tree)
   if type(tree) is dict and not tree:
     return tree
-  return jax.tree.map(lambda x: x if _is_node(x) else cast_floating(x, dtype), tree,
+  return jax.tree.map(lambda x: x if _is_node(x) else cast_leaf(x, dtype), tree,
                       is_leaf=_is_node)
 
 

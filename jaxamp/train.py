@@ -245,6 +245,7 @@ def _state_mismatch(state: Any, expected: Any) -> str | None:
 @dataclasses.dataclass
 class _NNXAdapter:
   graphdef: Any
+  uses_rng = False  # NNX models carry their RNG streams in model_state
 
   @staticmethod
   def split(model: nnx.Module) -> tuple[Any, Any, Any]:
@@ -274,6 +275,7 @@ class _NNXAdapter:
 @dataclasses.dataclass
 class _LinenAdapter:
   module: Any
+  uses_rng = True  # the step key feeds Linen's 'dropout' stream
   recompute_norms: bool = False
   _wrapped: Any = None
 
@@ -675,13 +677,18 @@ class TrainStep:
     """One training step; compiled once per batch shape. Donates ``state`` by default."""
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.step(...).")
-    if state is not self._last_state:  # the step's own output needs no check
-      self.check_state(state)
-      if self._state_shardings is not None:  # a restored or replicated state: lay it out
-        state = _place(state, self._state_shardings)
-    new_state, metrics = self._step_jit(state, batch)
+    new_state, metrics = self._step_jit(self._accepted(state), batch)
     self._last_state = new_state
     return new_state, metrics
+
+  def _accepted(self, state: Any, place: bool = True) -> Any:
+    """``state`` checked, unless this step returned it, and (``place``) laid out on the
+    mesh: a restored or replicated state gets the step's shardings."""
+    if state is not self._last_state:  # the step's own output needs no check
+      self.check_state(state)
+      if place and self._state_shardings is not None:
+        state = _place(state, self._state_shardings)
+    return state
 
   def trace(self, state: TrainState, batch: Any) -> Any:
     """``step`` checked and traced, never lowered, compiled or run: a ``jax.stages.Traced``.
@@ -704,9 +711,7 @@ class TrainStep:
     """
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.trace(...).")
-    if state is not self._last_state:
-      self.check_state(state)
-    return self._step_jit.trace(state, batch)
+    return self._step_jit.trace(self._accepted(state, place=False), batch)
 
   def lower(self, state: TrainState, batch: Any, *,
             platforms: Sequence[str] | None = None) -> Any:
@@ -737,11 +742,7 @@ class TrainStep:
     """
     if self._eval_jit is None:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
-    if state is not self._last_state:
-      self.check_state(state)
-      if self._state_shardings is not None:
-        state = _place(state, self._state_shardings)
-    return self._eval_jit(state, batch)
+    return self._eval_jit(self._accepted(state), batch)
 
   def model(self, state: TrainState) -> Any:
     """The model with the state's parameters: an NNX module, or ``(module, variables)``."""
@@ -937,10 +938,10 @@ class TrainStep:
   def _step_body(self, state: TrainState, batch: Any):
     scale = (jnp.ones([], _F32) if self._unit_scale
              else _ls.get_loss_scale(state.opt_state))
-    if isinstance(self._adapter, _NNXAdapter):  # its RNG streams live in model_state
-      next_rng = step_rng = state.rng
-    else:
+    if self._adapter.uses_rng:
       next_rng, step_rng = jax.random.split(state.rng)
+    else:
+      next_rng = step_rng = state.rng
     grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
     # What the optimizer receives: float32 for master weights, else each param's dtype.
     opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
