@@ -1,6 +1,9 @@
 """The candidates the harness compares: one step per (implementation, model, policy).
 
-- ``jaxamp``: the unmodified Flax model through :func:`jaxamp.make_train_step`.
+- ``jaxamp``: the unmodified Flax model through :func:`jaxamp.make_train_step`. The LM's
+  chain clips with :func:`jaxamp.clip_by_global_norm` (optax's rule, reusing the step's
+  gradient norm), as the README recommends; the compile section also measures it with
+  ``optax.clip_by_global_norm``.
 - ``hand-written Flax``: the same model with ``dtype`` set by hand on every layer
   (parameters float32), the same optax chain, and for float16 the loss scaling written
   out with :func:`jaxamp.scale_loss`, :func:`jaxamp.dynamic_loss_scale` and
@@ -23,6 +26,7 @@ of compute capability >= 8.9, and it is compared with the ``'mixed_bfloat16'`` r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +58,10 @@ def _precision(label: str) -> str | None:
   return "highest" if label.endswith("HIGHEST") else None
 
 
-def lm_optimizer() -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=1e-4))
+def lm_optimizer(clip: Any = optax.clip_by_global_norm) -> optax.GradientTransformation:
+  """AdamW after clipping by global norm; jaxamp's candidates pass
+  ``jaxamp.clip_by_global_norm`` (the same rule, reusing the step's gradient norm)."""
+  return optax.chain(clip(1.0), optax.adamw(3e-4, weight_decay=1e-4))
 
 
 def resnet_optimizer() -> optax.GradientTransformation:
@@ -126,9 +132,10 @@ def _hand_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, l
                    report, None, items)
 
 
-def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
+def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int,
+               clip: Any = jaxamp.clip_by_global_norm) -> Candidate:
   make = lambda dtype: models.GPT(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-  return _jaxamp_nnx(make, models.lm_loss, lm_optimizer(), label, batch, cfg.tokens)
+  return _jaxamp_nnx(make, models.lm_loss, lm_optimizer(clip), label, batch, cfg.tokens)
 
 
 def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
@@ -184,10 +191,14 @@ def _keras_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candid
 
 
 def lm_candidates(cfg: models.LMConfig, impls: Sequence[str] = IMPLS,
-                  policies: Sequence[str] = POLICIES, seed: int = 0) -> list[Candidate]:
-  """Every wanted (policy, implementation) pair for the transformer LM."""
+                  policies: Sequence[str] = POLICIES, seed: int = 0, *,
+                  jaxamp_clip: Any = jaxamp.clip_by_global_norm) -> list[Candidate]:
+  """Every wanted (policy, implementation) pair for the transformer LM; ``jaxamp_clip``
+  is the clipping element of jaxamp's chain (``optax.clip_by_global_norm`` to measure
+  an unchanged optax chain)."""
   batch = models.lm_batch(cfg, seed)
-  build = {"jaxamp": _jaxamp_lm, "hand-written Flax": _hand_lm, "Keras 3": _keras_lm}
+  build = {"jaxamp": functools.partial(_jaxamp_lm, clip=jaxamp_clip),
+           "hand-written Flax": _hand_lm, "Keras 3": _keras_lm}
   return [build[impl](cfg, label, batch, seed)
           for label in policies for impl in IMPLS if _wanted(impls, impl, label)]
 

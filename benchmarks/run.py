@@ -50,6 +50,8 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 import jax  # pylint: disable=g-import-not-at-top
+import jaxamp  # pylint: disable=g-import-not-at-top
+import optax  # pylint: disable=g-import-not-at-top
 
 from benchmarks import candidates, models, report  # pylint: disable=g-import-not-at-top
 from benchmarks.measure import (Lowering, compile_costs, lower_for,  # pylint: disable=g-import-not-at-top
@@ -251,8 +253,16 @@ def _compile_section(size: Size, policies, args) -> report.Section:
   results = []
   for layers in size.compile_layers:
     cfg = dataclasses.replace(size.lm, layers=layers)
-    for policy in policies:
-      pair = candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy])
+    runs = [(policy, jaxamp.clip_by_global_norm) for policy in policies]
+    if layers == max(size.compile_layers) and "float32" in policies:
+      # The same chain with optax's clip: what a user who keeps it pays (a second norm).
+      runs.append(("float32", optax.clip_by_global_norm))
+    for policy, clip in runs:
+      pair = candidates.lm_candidates(cfg, ("jaxamp", "hand-written Flax"), [policy],
+                                      jaxamp_clip=clip)
+      if clip is not jaxamp.clip_by_global_norm:
+        for c in pair:
+          c.policy = f"{policy}, jaxamp with optax's clip"
       print(f"  {layers} layers: {' and '.join(c.name for c in pair)}")
       results += compile_costs(pair, layers, reps, size.compile_trace_reps)
       for c in pair:
@@ -263,7 +273,10 @@ def _compile_section(size: Size, policies, args) -> report.Section:
       f"{size.lm.seq_len}) at {' and '.join(map(str, size.compile_layers))} layers: "
       "`.trace(state, batch)`, `.lower()` and `.compile()` of jaxamp's `train.step` "
       "(`train.trace`: the state check and the trace of the step's own jitted function, "
-      "what a first `train.step` call runs) and of the hand-written "
+      "what a first `train.step` call runs; its chain clips with "
+      "`jaxamp.clip_by_global_norm`, which reuses the step's gradient norm, and the row "
+      "marked *with optax's clip* keeps `optax.clip_by_global_norm`, which computes a "
+      "second one) and of the hand-written "
       "`jax.jit(step, donate_argnums=0)`, in CPU seconds of the process "
       "(`time.process_time`, all threads; other load on the machine does not count), "
       "each from cold caches "

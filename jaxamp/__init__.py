@@ -2,6 +2,7 @@
 
 from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
+from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -73,6 +74,7 @@ __all__ = [
     "SkipNonfiniteState",
     "all_finite",
     "check_loss_scale_placement",
+    "clip_by_global_norm",
     "dynamic_loss_scale",
     "get_loss_scale",
     "loss_scale_for",

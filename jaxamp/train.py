@@ -63,6 +63,7 @@ from flax.core import meta as flax_meta
 from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.clipping import GLOBAL_NORM, KnownNorm
 from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -955,8 +956,11 @@ class TrainStep:
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
-      state, opt_grads, model_state, next_rng, fp8 = operands
-      opt_state, params = self._update(state, opt_grads, finite=True)
+      state, opt_grads, grad_norm, model_state, next_rng, fp8 = operands
+      # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
+      # with a second one computed inside this branch).
+      known_norm = KnownNorm.of(opt_grads, grad_norm)
+      opt_state, params = self._update(state, opt_grads, finite=True, known_norm=known_norm)
       # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
       # would be stored as inf: skip such a step like an overflowing one.
       params_finite = self._params_finite(params)
@@ -980,7 +984,7 @@ class TrainStep:
               np.bool_(True))
 
     params, opt_state, model_state, next_rng, fp8, params_finite = _flat_cond(
-        grads_finite, apply, skip, (state, opt_grads, model_state, next_rng, fp8))
+        grads_finite, apply, skip, (state, opt_grads, grad_norm, model_state, next_rng, fp8))
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
         "loss": loss,
@@ -1005,9 +1009,13 @@ class TrainStep:
                            model_state=model_state, rng=next_rng, fp8=fp8)
     return new_state, metrics
 
-  def _update(self, state: TrainState, grads: Any, *, finite: bool) -> tuple[Any, Any]:
-    """The optimizer's new state and the new params, told whether ``grads`` are finite."""
+  def _update(self, state: TrainState, grads: Any, *, finite: bool,
+              known_norm: KnownNorm | None = None) -> tuple[Any, Any]:
+    """The optimizer's new state and the new params, told whether ``grads`` are finite
+    (and, if known, their global norm)."""
     flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: True}  # divided in _step_body
+    if known_norm is not None:
+      flag[GLOBAL_NORM] = known_norm
     if self.master_weights:
       master, inner = state.opt_state
       updates, inner = self.optimizer.update(grads, inner, master, **flag)

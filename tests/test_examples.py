@@ -246,16 +246,21 @@ def test_benchmark_compile_section():
   """The first-call cost table: trace, lower, compile and temp bytes of both steps."""
   bench = _benchmarks()
   size = dataclasses.replace(bench.run.SIZES["smoke"], compile_layers=(1,), compile_reps=1)
-  section = bench.run._compile_section(size, ["mixed_bfloat16"], None)
-  assert [(c.impl, c.layers) for c in section.results] == [("jaxamp", 1),
-                                                           ("hand-written Flax", 1)]
+  section = bench.run._compile_section(size, ["float32"], None)
+  # At the deepest layer count float32 runs twice: jaxamp's chain clipping with
+  # jaxamp.clip_by_global_norm, then with optax's.
+  optax_row = "float32, jaxamp with optax's clip"
+  assert [(c.impl, c.policy, c.layers) for c in section.results] == [
+      ("jaxamp", "float32", 1), ("hand-written Flax", "float32", 1),
+      ("jaxamp", optax_row, 1), ("hand-written Flax", optax_row, 1)]
   for c in section.results:
     assert c.error is None and min(c.trace_s + c.lower_s + c.compile_s) > 0
     assert c.memory["temp"] > 0
-  (row,) = bench.report.compile_table(section, bench.run.COMPILE_LIMITS)[2:]
+  row, second = bench.report.compile_table(section, bench.run.COMPILE_LIMITS)[2:]
+  assert second.strip("| ").split(" | ")[:2] == ["1", optax_row]
   cells = row.strip("| ").split(" | ")
-  amp, hand = section.results
-  assert cells[:2] == ["1", "mixed_bfloat16"]
+  amp, hand = section.results[:2]
+  assert cells[:2] == ["1", "float32"]
   assert cells[4] == f"{amp.median('trace_s') / hand.median('trace_s'):,.2f}"
   ratio = amp.compile_s[0] / hand.compile_s[0]  # one repetition: its range is one ratio
   assert cells[11] == f"{ratio:.2f}–{ratio:.2f}"
