@@ -99,7 +99,8 @@ def sample_batch(data: np.ndarray, rng: np.random.RandomState, batch_size: int,
 def make_optimizer(policy: str, args) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1),
                                                 args.steps)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  # jaxamp.clip_by_global_norm: optax's rule, clipping with the norm the step computes anyway.
+  tx = optax.chain(jaxamp.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   if jaxamp.get_policy(policy).compute_dtype == jnp.float16:
     # Our own loss-scale element, first in the chain: make_train_step uses it as is.
     tx = optax.chain(jaxamp.dynamic_loss_scale(growth_interval=args.growth_interval), tx)
