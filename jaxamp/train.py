@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -397,6 +398,45 @@ def _skip_on_param_overflow(params_finite: jax.Array, new: Any, old: Any) -> Any
 # --- the factory --------------------------------------------------------------------------
 
 
+class _SkipStreaks:
+  """Warns once per streak when all of ``window`` consecutive steps were skipped.
+
+  Samples ``metrics['skipped_steps']`` every ``window`` calls and compares the two
+  samples before the newest one: both are at least ``window`` calls old, so reading them
+  never waits on a step just dispatched (a mesh spanning hosts is not read).
+  """
+
+  def __init__(self, window: int):
+    self.window = window
+    self.calls = 0
+    self.samples: list[Any] = []
+    self.warned = False
+
+  def observe(self, metrics: Mapping[str, Any]) -> None:
+    self.calls += 1
+    if self.calls % self.window:
+      return
+    # The newest sample is kept, not read; the two before it span `window` calls.
+    self.samples = [*self.samples[-2:], (metrics["skipped_steps"], metrics["loss_scale"])]
+    if len(self.samples) < 3 or not self.samples[1][0].is_fully_addressable:
+      return
+    (old, _), (new, scale) = self.samples[0], self.samples[1]
+    if int(new) - int(old) != self.window:  # != : a state from elsewhere between them
+      self.warned = False
+      return
+    if not self.warned:
+      self.warned = True
+      warnings.warn(
+          f"jaxamp: the last {self.window} train steps were all skipped: their gradients "
+          f"were not finite (inf or NaN), so the parameters did not change (loss scale "
+          f"{float(scale):g}). Find the overflowing parameters with "
+          "make_train_step(..., debug_nonfinite=True) (metrics['nonfinite_grads']). Common "
+          "causes: NaN in the inputs or the loss, a learning rate that diverged, or an op "
+          "that overflows in float16 whatever the scale (jax.nn.gelu's backward pass; see "
+          "the README). warn_skipped_steps=None turns this warning off.",
+          RuntimeWarning, stacklevel=3)
+
+
 class TrainStep:
   """A compiled mixed-precision train step; build it with :func:`make_train_step`.
 
@@ -414,7 +454,8 @@ class TrainStep:
                batch_axis: str, donate: bool, grad_reduce_dtype: Any,
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
                eval_fn: Callable[..., Any] | None, seed: int, level: Any = None,
-               recompute_norms: bool = False, param_sharding: Any = None):
+               recompute_norms: bool = False, param_sharding: Any = None,
+               warn_skipped_steps: int | None = 100):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
     batch_axes = sharding_lib.axis_names(batch_axis)
@@ -427,6 +468,12 @@ class TrainStep:
       raise ValueError("param_sharding needs a mesh: pass mesh=jax.make_mesh(...) with the "
                        "axes the parameters are sharded over (e.g. jaxamp.fsdp('fsdp') "
                        "needs an axis named 'fsdp').")
+    if warn_skipped_steps is not None and (isinstance(warn_skipped_steps, bool) or not
+                                           isinstance(warn_skipped_steps, int)
+                                           or warn_skipped_steps < 1):
+      raise ValueError(f"warn_skipped_steps must be a positive int (steps) or None (never "
+                       f"warn), got {warn_skipped_steps!r}.")
+    self._streaks = None if warn_skipped_steps is None else _SkipStreaks(warn_skipped_steps)
     _check_signature(loss_fn, "loss_fn")
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
@@ -680,6 +727,8 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.step(...).")
     new_state, metrics = self._step_jit(self._accepted(state), batch)
     self._last_state = new_state
+    if self._streaks is not None:
+      self._streaks.observe(metrics)
     return new_state, metrics
 
   def _accepted(self, state: Any, place: bool = True) -> Any:
@@ -1059,7 +1108,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
                     seed: int = 0, opt_level: Any = None,
                     recompute_norms: bool = False,
-                    param_sharding: Any = None) -> TrainStep:
+                    param_sharding: Any = None,
+                    warn_skipped_steps: int | None = 100) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -1105,6 +1155,11 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       pytree of ``PartitionSpec`` like the params. Each step gathers the params in their
       compute dtype and reduce-scatters gradients in ``grad_reduce_dtype``; see
       :mod:`jaxamp.sharding`. None (default): params replicated.
+    warn_skipped_steps: warn (a ``RuntimeWarning``, once per streak) when this many
+      consecutive steps were all skipped, i.e. training stopped moving. ``step`` reads
+      two counters per that many calls, from results at least that old, so it never
+      waits on the step it just dispatched; the warning comes up to three windows after
+      the streak began. None: never warn.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.
@@ -1129,4 +1184,5 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                    donate=donate, grad_reduce_dtype=grad_reduce_dtype,
                    master_weights=master_weights, float32_outputs=float32_outputs,
                    debug_nonfinite=debug_nonfinite, eval_fn=eval_fn, seed=seed, level=level,
-                   recompute_norms=recompute_norms, param_sharding=param_sharding)
+                   recompute_norms=recompute_norms, param_sharding=param_sharding,
+                   warn_skipped_steps=warn_skipped_steps)

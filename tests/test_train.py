@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,45 @@ def test_gradients_whose_norm_leaves_float32_skip_the_step():
   assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
   assert np.isfinite(float(metrics["grad_norm"]))
   assert not np.array_equal(applied.params["kernel"], huge.params["kernel"])
+
+
+def _skip_warnings(record):
+  return [w for w in record if "train steps were all skipped" in str(w.message)]
+
+
+def test_a_streak_of_skipped_steps_warns_once_per_streak():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False, warn_skipped_steps=2)
+  state = init(train, "nnx", batchnorm=False)
+  good = make_batches(1)[0]
+  bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    for batch in [good, bad] * 4:  # every other step skipped: no streak
+      state, _ = train.step(state, batch)
+    assert not _skip_warnings(record)
+    for _ in range(8):  # a streak: one warning, from the window of calls 9-10
+      state, metrics = train.step(state, bad)
+    (warning,) = _skip_warnings(record)
+  assert warning.category is RuntimeWarning
+  assert "last 2 train steps" in str(warning.message)
+  assert "debug_nonfinite=True" in str(warning.message)
+  assert int(metrics["skipped_steps"]) == 4 + 8
+
+
+def test_the_skip_warning_can_be_turned_off():
+  good = make_batches(1)[0]
+  bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
+                                 warn_skipped_steps=None)
+  state = init(train, "nnx", batchnorm=False)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    for _ in range(400):
+      state, _ = train.step(state, bad)
+  assert not _skip_warnings(record)
+  for wrong in (0, -3, True, 2.5, "100"):
+    with pytest.raises(ValueError, match="warn_skipped_steps must be a positive int"):
+      jaxamp.make_train_step(loss_fn, optax.sgd(0.1), warn_skipped_steps=wrong)
 
 
 def test_grad_accumulation_matches_one_big_batch():
