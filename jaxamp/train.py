@@ -403,7 +403,7 @@ class _SkipStreaks:
 
   Samples ``metrics['skipped_steps']`` every ``window`` calls and compares the two
   samples before the newest one: both are at least ``window`` calls old, so reading them
-  never waits on a step just dispatched (a mesh spanning hosts is not read).
+  never waits on a step just dispatched.
   """
 
   def __init__(self, window: int):
@@ -413,12 +413,17 @@ class _SkipStreaks:
     self.warned = False
 
   def observe(self, metrics: Mapping[str, Any]) -> None:
+    skipped = metrics["skipped_steps"]
+    # A tracer (step called inside the user's jit) has no value; a mesh spanning hosts
+    # cannot be read here.
+    if isinstance(skipped, jax.core.Tracer) or not skipped.is_fully_addressable:
+      return
     self.calls += 1
     if self.calls % self.window:
       return
     # The newest sample is kept, not read; the two before it span `window` calls.
-    self.samples = [*self.samples[-2:], (metrics["skipped_steps"], metrics["loss_scale"])]
-    if len(self.samples) < 3 or not self.samples[1][0].is_fully_addressable:
+    self.samples = [*self.samples[-2:], (skipped, metrics["loss_scale"])]
+    if len(self.samples) < 3:
       return
     (old, _), (new, scale) = self.samples[0], self.samples[1]
     if int(new) - int(old) != self.window:  # != : a state from elsewhere between them

@@ -231,6 +231,7 @@ def test_a_streak_of_skipped_steps_warns_once_per_streak():
   assert "last 2 train steps" in str(warning.message)
   assert "debug_nonfinite=True" in str(warning.message)
   assert int(metrics["skipped_steps"]) == 4 + 8
+  jax.jit(train.step)(state, bad)  # inside a user's jit, metrics are tracers: not read
 
 
 def test_the_skip_warning_can_be_turned_off():
