@@ -414,12 +414,11 @@ class _SkipStreaks:
 
   def observe(self, metrics: Mapping[str, Any]) -> None:
     skipped = metrics["skipped_steps"]
-    # A tracer (step called inside the user's jit) has no value; a mesh spanning hosts
-    # cannot be read here.
-    if isinstance(skipped, jax.core.Tracer) or not skipped.is_fully_addressable:
+    if isinstance(skipped, jax.core.Tracer):  # step called inside the user's jit
       return
     self.calls += 1
-    if self.calls % self.window:
+    # Below, once per window, not per call: a mesh spanning hosts cannot be read here.
+    if self.calls % self.window or not skipped.is_fully_addressable:
       return
     # The newest sample is kept, not read; the two before it span `window` calls.
     self.samples = [*self.samples[-2:], (skipped, metrics["loss_scale"])]
