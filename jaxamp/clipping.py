@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -88,9 +89,13 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     >>> bool(metrics['grad_norm'] > 1.0)  # clipped to norm 1, with the step's norm
     True
   """
-  # Arrays pass unchecked: optax.inject_hyperparams hands its values over as arrays.
-  if isinstance(max_norm, bool) or (isinstance(max_norm, (int, float)) and not max_norm > 0) \
-      or not isinstance(max_norm, (int, float, jax.Array, np.ndarray)) or np.ndim(max_norm):
+  if isinstance(max_norm, (jax.Array, np.ndarray)):
+    # Values unchecked (they may be traced): optax.inject_hyperparams passes arrays.
+    valid = np.ndim(max_norm) == 0
+  else:  # Python and NumPy numbers (np.float32 included), not bools
+    valid = (isinstance(max_norm, numbers.Real) and not isinstance(max_norm, (bool, np.bool_))
+             and max_norm > 0)
+  if not valid:
     raise ValueError(f"clip_by_global_norm: max_norm must be a positive number, got "
                      f"{max_norm!r}.")
 

@@ -48,10 +48,18 @@ def test_non_floating_leaves_pass_and_inject_hyperparams_works():
   np.testing.assert_allclose(out["w"], [3.0, 4.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, True, "1.0", None, jnp.ones(2)])
+@pytest.mark.parametrize("bad", [0, -1.0, True, np.bool_(True), np.float32(-2.0),
+                                 float("nan"), "1.0", None, jnp.ones(2)])
 def test_bad_max_norm_is_named(bad):
   with pytest.raises(ValueError, match="max_norm must be a positive number"):
     jaxamp.clip_by_global_norm(bad)
+
+
+@pytest.mark.parametrize("good", [2, 2.0, np.float32(2.0), np.int32(2), jnp.float32(2.0)])
+def test_numpy_and_jax_scalars_are_accepted(good):
+  out, _ = jaxamp.clip_by_global_norm(good).update({"w": jnp.array([30.0, 40.0])},
+                                                   optax.EmptyState())
+  np.testing.assert_allclose(out["w"], [1.2, 1.6], rtol=1e-6)
 
 
 def test_a_known_norm_is_used_only_for_the_very_arrays_it_was_taken_of():
