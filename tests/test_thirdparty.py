@@ -8,6 +8,7 @@ does the same and brings its own ``BatchNorm`` class (not Flax's). Each runs as 
 ``jaxamp.nnx.with_policy``). The packages come with the ``thirdparty`` extra.
 """
 
+import re
 import warnings
 
 import jax
@@ -362,3 +363,28 @@ def test_fp8_policy_on_a_model_without_hookable_layers_warns(gpt2_variables):
                     "FP8.*FlaxConv1D"):
     state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(token_ids()))
   assert state.fp8 is None
+
+
+def test_gpt2_clip_reuses_the_step_norm_through_optax_combinators(gpt2_variables):
+  """jaxamp.clip_by_global_norm on a model it was not written for (HF GPT-2, Linen):
+  directly or inside inject_hyperparams it adds no reduction (the step's norm serves);
+  inside MultiSteps, whose updates are new arrays, it takes its own, as optax's does.
+  Lowering only; the results' parity with optax is in tests/test_clipping.py."""
+  ids = token_ids()
+
+  def reductions(tx):
+    train = jaxamp.make_train_step(lambda apply, b: gpt2_apply_loss(apply, b), tx,
+                                   policy="mixed_bfloat16", donate=False)
+    state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(ids))
+    text = train.lower(state, ids).as_text()
+    return len(re.findall(r"stablehlo\.reduce\b", text)), len(jax.tree.leaves(state.params))
+
+  sgd = optax.sgd(1e-2)
+  none, n_params = reductions(sgd)
+  assert reductions(optax.chain(jaxamp.clip_by_global_norm(0.1), sgd))[0] == none
+  injected = optax.inject_hyperparams(jaxamp.clip_by_global_norm)(max_norm=0.1)
+  assert reductions(optax.chain(injected, sgd))[0] == none
+  assert reductions(optax.chain(optax.clip_by_global_norm(0.1), sgd))[0] == none + n_params
+  multi = lambda clip: optax.MultiSteps(optax.chain(clip(0.1), sgd), 2)
+  assert (reductions(multi(jaxamp.clip_by_global_norm))[0]
+          == reductions(multi(optax.clip_by_global_norm))[0])
