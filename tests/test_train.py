@@ -193,7 +193,8 @@ def test_gradients_whose_norm_leaves_float32_skip_the_step():
   def loss(model, batch):
     return jnp.sum(model(batch["x"])) * batch["factor"]
 
-  train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy="float32", donate=False)
+  train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy="float32", donate=False,
+                                 skip_nonfinite=True)
   state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
   x = jnp.ones((8, 4))
   huge, metrics = train.step(state, {"x": x, "factor": jnp.float32(1e19)})
@@ -210,12 +211,102 @@ def test_gradients_whose_norm_leaves_float32_skip_the_step():
   assert not np.array_equal(applied.params["kernel"], huge.params["kernel"])
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_float32_and_bfloat16_apply_every_update_like_optax(policy):
+  # No float16, no skips (as in Keras, torch.amp, a plain optax step): finite steps match
+  # a hand-written optax step, a NaN step reaches the params, and the metrics say so.
+  good, bad = make_batches(3), make_batches(1)[0]
+  bad["x"][0, 0] = np.nan
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy, donate=False)
+  state = init(train, "nnx", batchnorm=False)
+  assert not train.skips_nonfinite
+  assert "cond" not in [e.primitive.name for e in train.trace(state, good[0]).jaxpr.eqns]
+
+  model = NNXNet(nnx.Rngs(0, dropout=1), batchnorm=False)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adam(1e-2)
+  compute = jnp.float32 if policy == "float32" else jnp.bfloat16
+
+  @jax.jit
+  def hand(params, opt_state, batch):
+    def loss(p):
+      cast = jax.tree.map(lambda a: a.astype(compute), p)
+      logits = nnx.merge(graphdef, cast, rest)(batch["x"].astype(compute))
+      return xent(logits.astype(jnp.float32), batch["y"])
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  for batch in good:
+    state, metrics = train.step(state, batch)
+    params, opt_state = hand(params, opt_state, batch)
+  tol = 1e-6 if policy == "float32" else 2e-2
+  for a, b in zip(leaves(state.params), leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+  new, metrics = train.step(state, bad)
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 0
+  params, _ = hand(params, opt_state, bad)  # applied, NaNs where optax puts them
+  assert any(np.isnan(x).any() for x in leaves(new.params))
+  for a, b in zip(leaves(new.params), leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)  # NaN where NaN
+  assert int(optax.tree_utils.tree_get(new.opt_state, "count")) == 4
+
+
+def test_skip_nonfinite_true_skips_and_changes_no_finite_step():
+  good, bad = make_batches(3), make_batches(1)[0]
+  bad["x"][0, 0] = np.nan
+  runs = {}
+  for skip in (None, True):
+    train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy="mixed_bfloat16",
+                                   donate=False, skip_nonfinite=skip)
+    state = init(train, "nnx", batchnorm=False)
+    for batch in good:
+      state, _ = train.step(state, batch)
+    runs[skip] = (train, state)
+  train, state = runs[True]
+  assert train.skips_nonfinite
+  for a, b in zip(leaves(state.params), leaves(runs[None][1].params)):  # finite: same update
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)  # (XLA fuses them differently)
+  new, metrics = train.step(state, bad)
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  assert_trees_equal(new.params, state.params)
+  assert_trees_equal(optax.tree_utils.tree_get(new.opt_state, "ScaleByAdamState"),
+                     optax.tree_utils.tree_get(state.opt_state, "ScaleByAdamState"))
+
+
+@pytest.mark.parametrize("policy,tx,why", [
+    ("mixed_float16", optax.sgd(0.1), "has a loss scale"),
+    ("float32", optax.chain(jaxamp.dynamic_loss_scale(), optax.sgd(0.1)), "has a loss scale"),
+    ("float32", optax.chain(jaxamp.no_loss_scale(), optax.sgd(0.1)), "has a loss scale"),
+    ("params=float16,compute=bfloat16,output=float32", optax.sgd(0.1), "stored in float16"),
+])
+def test_skips_are_on_where_float16_needs_them_and_cannot_be_refused(policy, tx, why):
+  train = jaxamp.make_train_step(loss_fn, tx, policy=policy)
+  init(train, "nnx", batchnorm=False)
+  assert train.skips_nonfinite
+  refused = jaxamp.make_train_step(loss_fn, tx, policy=policy, skip_nonfinite=False)
+  with pytest.raises(ValueError, match=f"skip_nonfinite=False cannot be honoured: .*{why}"):
+    init(refused, "nnx", batchnorm=False)
+
+
+def test_skip_nonfinite_takes_a_bool_or_none():
+  for wrong in ("yes", 1, 0.0):
+    with pytest.raises(ValueError, match="skip_nonfinite must be True, False or None"):
+      jaxamp.make_train_step(loss_fn, optax.sgd(0.1), skip_nonfinite=wrong)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32",
+                                 skip_nonfinite=False)
+  init(train, "nnx", batchnorm=False)
+  assert not train.skips_nonfinite
+
+
 def _skip_warnings(record):
   return [w for w in record if "train steps were all skipped" in str(w.message)]
 
 
 def test_a_streak_of_skipped_steps_warns_once_per_streak():
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False, warn_skipped_steps=2)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False, warn_skipped_steps=2,
+                                 skip_nonfinite=True)
   state = init(train, "nnx", batchnorm=False)
   good = make_batches(1)[0]
   bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
@@ -238,13 +329,14 @@ def test_the_skip_warning_can_be_turned_off():
   good = make_batches(1)[0]
   bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
-                                 warn_skipped_steps=None)
+                                 warn_skipped_steps=None, skip_nonfinite=True)
   state = init(train, "nnx", batchnorm=False)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     for _ in range(400):
-      state, _ = train.step(state, bad)
+      state, metrics = train.step(state, bad)
   assert not _skip_warnings(record)
+  assert int(metrics["skipped_steps"]) == 400
   for wrong in (0, -3, True, 2.5, "100"):
     with pytest.raises(ValueError, match="warn_skipped_steps must be a positive int"):
       jaxamp.make_train_step(loss_fn, optax.sgd(0.1), warn_skipped_steps=wrong)
