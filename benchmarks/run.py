@@ -177,9 +177,9 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       measured = measure(make(policy), warmup=args.warmup, rounds=args.overhead_rounds,
                          steps=args.overhead_steps, aot=False, inspect=False, pairs=True)
       results += [dataclasses.replace(m, policy=f"{name} · {m.policy}") for m in measured]
-  notes = ["Both skip non-finite steps only where float16 needs it (jaxamp's default); "
-           "jaxamp's step also computes the global gradient norm and the finite flag for "
-           "its metrics under every policy."]
+  notes = ["jaxamp's step always checks the gradients for inf/NaN and skips a non-finite "
+           "step (bfloat16 and float32 included) and computes the gradient norm for its "
+           "metrics; the hand-written steps do that only where float16 needs it."]
   if args.size == "smoke":
     notes.append("Smoke size: the model is too small for the ratio to mean anything.")
   if jax.default_backend() != "cpu":

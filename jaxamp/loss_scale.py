@@ -444,10 +444,9 @@ def no_loss_scale() -> optax.GradientTransformation:
   """No scaling (scale 1), but non-finite steps are still zeroed and counted.
 
   For bfloat16 and float32, whose exponent range needs no scaling. Keeping the
-  same state as the other loss scales means :func:`get_loss_scale` and
-  :func:`skip_nonfinite` treat every policy alike. ``make_train_step`` inserts it
-  for bfloat16 and float32 and then applies every update (its ``skip_nonfinite``
-  argument); put it in the chain yourself to have those steps skipped.
+  same state as the other loss scales means a train step, :func:`get_loss_scale`
+  and :func:`skip_nonfinite` treat every policy alike, and an inf or NaN
+  gradient never reaches the optimizer, whatever the policy.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`LossScaleState`

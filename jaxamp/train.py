@@ -3,9 +3,9 @@
 :func:`make_train_step` returns a :class:`TrainStep` whose ``step`` is one XLA program
 that runs the model under its per-module policies, scales the loss, accumulates
 micro-batch gradients in float32, reduces them across devices, unscales, checks them
-for inf/NaN everywhere at once and, where float16 needs it, skips an overflowing step
-exactly: parameters, every optimizer-state leaf and the model state (BatchNorm
-statistics, RNG counters) stay bit-identical while the loss scale backs off.
+for inf/NaN everywhere at once and, on an overflow, skips the whole update exactly:
+parameters, every optimizer-state leaf and the model state (BatchNorm statistics, RNG
+counters) stay bit-identical while the loss scale backs off.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -22,9 +22,9 @@ Example:
 
 Loss scaling: the loss-scale element found in ``optimizer`` (see
 :func:`jaxamp.dynamic_loss_scale`) is used. If there is none, :func:`jaxamp.loss_scale_for`
-picks one from the policy: dynamic scaling for a float16 compute dtype, none (a fixed
-scale of 1.0) for bfloat16 and float32, whose steps then apply every update like a plain
-optax step unless ``skip_nonfinite=True``.
+picks one from the policy: dynamic scaling for a float16 compute dtype, none (a scale of
+1.0 that still counts and skips non-finite steps) for bfloat16 and float32;
+``skip_nonfinite=False`` has those apply every update instead, like a plain optax step.
 
 Checkpoints: :class:`TrainState` is a plain pytree; save and restore it with
 orbax-checkpoint (``ocp.StandardCheckpointer().save(path, state)``, then
@@ -460,7 +460,7 @@ class TrainStep:
                master_weights: bool | None, float32_outputs: bool, debug_nonfinite: bool,
                eval_fn: Callable[..., Any] | None, seed: int, level: Any = None,
                recompute_norms: bool = False, param_sharding: Any = None,
-               warn_skipped_steps: int | None = 100, skip_nonfinite: bool | None = None):
+               warn_skipped_steps: int | None = 100, skip_nonfinite: bool = True):
     if grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
     batch_axes = sharding_lib.axis_names(batch_axis)
@@ -479,11 +479,9 @@ class TrainStep:
       raise ValueError(f"warn_skipped_steps must be a positive int (steps) or None (never "
                        f"warn), got {warn_skipped_steps!r}.")
     self._streaks = None if warn_skipped_steps is None else _SkipStreaks(warn_skipped_steps)
-    if skip_nonfinite is not None and not isinstance(skip_nonfinite, (bool, np.bool_)):
-      raise ValueError(f"skip_nonfinite must be True, False or None (skip only where float16 "
-                       f"needs it), got {skip_nonfinite!r}.")
-    self._skip_arg = None if skip_nonfinite is None else bool(skip_nonfinite)
-    self.skips_nonfinite = True  # decided at init (_build_optimizer)
+    if not isinstance(skip_nonfinite, (bool, np.bool_)):
+      raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
+    self.skips_nonfinite = bool(skip_nonfinite)
     _check_signature(loss_fn, "loss_fn")
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
@@ -675,18 +673,15 @@ class TrainStep:
       # scale a restored state holds (the loss scale returns it to 1).
       self._unit_scale = _ls.is_no_loss_scale(scale)
       tx = optax.chain(scale, tx)
-    # Skipping is what loss scaling needs (an overflowing float16 step, a float16 param
-    # pushed past 65504); a float32 or bfloat16 step applies every update, as optax and
-    # every peer do, unless asked (skip_nonfinite=True, or a loss scale in the chain).
-    needs_skips = not self._unit_scale or bool(_float16_leaves(params))
-    if self._skip_arg is False and needs_skips:
+    # skip_nonfinite=False (apply every update, as optax and the peers do without a loss
+    # scaler) only where float16 does not need skips: an overflowing float16 step, or a
+    # float16 param pushed past 65504, must not be applied.
+    if not self.skips_nonfinite and (not self._unit_scale or _float16_leaves(params)):
       why = ("a parameter is stored in float16 (an update past 65504 would store inf)"
              if self._unit_scale else
              "the optimizer has a loss scale (an overflowing step's update would be applied)")
-      raise ValueError(f"skip_nonfinite=False cannot be honoured: {why}. Leave it at None "
-                       "(skips only where float16 needs them) or train in bfloat16/float32 "
-                       "without a loss-scale element in the chain.")
-    self.skips_nonfinite = needs_skips if self._skip_arg is None else self._skip_arg
+      raise ValueError(f"skip_nonfinite=False cannot be honoured: {why}. Drop it, or "
+                       "train in bfloat16/float32 without a loss-scale element in the chain.")
     tx = _ls.skip_nonfinite(tx)
     # A skipped step moves only the loss scale; when that is all the optimizer's rule can
     # do, the step traces the rule rather than a second, dead copy of the whole update.
@@ -774,8 +769,7 @@ class TrainStep:
     Example (ahead of time, from shapes alone):
       >>> import jax, optax, jaxamp
       >>> from flax import nnx
-      >>> train = jaxamp.make_train_step(lambda m, b: m(b).mean(), optax.adam(1e-3),
-      ...                                policy='mixed_float16')
+      >>> train = jaxamp.make_train_step(lambda m, b: m(b).mean(), optax.adam(1e-3))
       >>> state = jaxamp.abstract_state(train.init(nnx.Linear(3, 1, rngs=nnx.Rngs(0))))
       >>> traced = train.trace(state, jax.ShapeDtypeStruct((2, 3), 'float32'))
       >>> [e.primitive.name for e in traced.jaxpr.eqns].count('cond')  # the exact skip
@@ -1026,8 +1020,8 @@ class TrainStep:
     opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
         opt_grads, None if self._unit_scale else scale)
     if not self.skips_nonfinite:
-      # Every update applied (float32/bfloat16 default): no verdict to wait for, so XLA
-      # overlaps the update with the backward pass and a GPU never reads a predicate.
+      # skip_nonfinite=False: every update applied, no lax.cond (whose predicate an XLA
+      # GPU program reads back to the host before running a branch).
       opt_state, params = self._update(state, opt_grads, finite=True,
                                        known_norm=KnownNorm.of(opt_grads, grad_norm))
       return self._finish(state, params, opt_state, model_state, next_rng, fp8, loss, aux,
@@ -1146,7 +1140,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     recompute_norms: bool = False,
                     param_sharding: Any = None,
                     warn_skipped_steps: int | None = 100,
-                    skip_nonfinite: bool | None = None) -> TrainStep:
+                    skip_nonfinite: bool = True) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -1197,14 +1191,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       two counters per that many calls, from results at least that old, so it never
       waits on the step it just dispatched; the warning comes up to three windows after
       the streak began. None: never warn.
-    skip_nonfinite: whether a step whose gradients are not finite (inf, NaN, or a global
-      norm past float32's range) is skipped exactly, leaving the state bit-identical but
-      for the loss scale. None (default): skipped where float16 needs it, i.e. with a
-      loss-scale element in ``optimizer``, float16 compute (dynamic scaling is inserted)
-      or parameters stored in float16; a float32 or bfloat16 step applies every update,
-      like a plain optax step (``metrics['grads_finite']`` still says whether the
-      gradients were finite). True: skip under every policy. False: never skip; refused
-      where float16 needs skips.
+    skip_nonfinite: skip a step whose gradients are not finite (inf, NaN, or a global
+      norm past float32's range) exactly, leaving the state bit-identical but for the
+      loss scale (default, under every policy). False: apply every update, like a plain
+      optax step (``metrics['grads_finite']`` still says whether the gradients were
+      finite); refused where float16 needs skips (a loss-scale element in ``optimizer``,
+      float16 compute, parameters stored in float16).
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``.

@@ -180,8 +180,7 @@ def test_current_scaling_uses_this_steps_amax():
 
 
 def test_overflow_step_keeps_fp8_state_bit_identical():
-  train, state, _ = _linear_step(jaxamp.DelayedScaling(amax_history_len=4),
-                                 skip_nonfinite=True)
+  train, state, _ = _linear_step(jaxamp.DelayedScaling(amax_history_len=4))
   for b in _batches(2):
     state, _ = train.step(state, b)
   before = jax.tree.map(np.asarray, (state.fp8, state.params))

@@ -278,9 +278,8 @@ def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
   batch = (x, y, jnp.float32(1.0))
   runs = {}
   for p in ("float32", policy):
-    # bfloat16 skips only when asked (float16 always does).
     train = jaxamp.make_train_step(loss_fn, optax.sgd(0.01, momentum=0.9), policy=p,
-                                   donate=False, skip_nonfinite=True)
+                                   donate=False)
     state = (train.init(module, variables, x[:2], train=False) if api == "linen"
              else train.init(nnx.clone(model)))
     runs[p] = (train, *train_losses(train, state, [batch] * 6))
