@@ -478,10 +478,12 @@ class TrainStep:
                                            or warn_skipped_steps < 1):
       raise ValueError(f"warn_skipped_steps must be a positive int (steps) or None (never "
                        f"warn), got {warn_skipped_steps!r}.")
-    self._streaks = None if warn_skipped_steps is None else _SkipStreaks(warn_skipped_steps)
     if not isinstance(skip_nonfinite, (bool, np.bool_)):
       raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
     self.skips_nonfinite = bool(skip_nonfinite)
+    # Without skips skipped_steps never moves: nothing to watch on the step's hot path.
+    self._streaks = (_SkipStreaks(warn_skipped_steps)
+                     if warn_skipped_steps is not None and self.skips_nonfinite else None)
     _check_signature(loss_fn, "loss_fn")
     if eval_fn is not None:
       _check_signature(eval_fn, "eval_fn")
@@ -685,7 +687,7 @@ class TrainStep:
     tx = _ls.skip_nonfinite(tx)
     # A skipped step moves only the loss scale; when that is all the optimizer's rule can
     # do, the step traces the rule rather than a second, dead copy of the whole update.
-    self._overflow = _ls.overflow_rule(tx, params)
+    self._overflow = _ls.overflow_rule(tx, params) if self.skips_nonfinite else None
     return tx
 
   def _replicated(self) -> Any:
@@ -1019,13 +1021,6 @@ class TrainStep:
     # select keeps old and new copies of everything alive).
     opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
         opt_grads, None if self._unit_scale else scale)
-    if not self.skips_nonfinite:
-      # skip_nonfinite=False: every update applied, no lax.cond (whose predicate an XLA
-      # GPU program reads back to the host before running a branch).
-      opt_state, params = self._update(state, opt_grads, finite=True,
-                                       known_norm=KnownNorm.of(opt_grads, grad_norm))
-      return self._finish(state, params, opt_state, model_state, next_rng, fp8, loss, aux,
-                          grads, grads_finite, grad_norm, np.bool_(True))
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
@@ -1056,14 +1051,15 @@ class TrainStep:
       return (state.params, opt_state, state.model_state, state.rng, state.fp8,
               np.bool_(True))
 
-    params, opt_state, model_state, next_rng, fp8, params_finite = _flat_cond(
-        grads_finite, apply, skip, (state, opt_grads, grad_norm, model_state, next_rng, fp8))
-    return self._finish(state, params, opt_state, model_state, next_rng, fp8, loss, aux,
-                        grads, grads_finite, grad_norm, params_finite)
-
-  def _finish(self, state, params, opt_state, model_state, next_rng, fp8, loss, aux, grads,
-              grads_finite, grad_norm, params_finite):
-    """The new state and the metrics, from the updated pieces."""
+    operands = (state, opt_grads, grad_norm, model_state, next_rng, fp8)
+    if self.skips_nonfinite:
+      outs = _flat_cond(grads_finite, apply, skip, operands)
+    else:
+      # skip_nonfinite=False: every update applied, no lax.cond (whose predicate an XLA
+      # GPU program reads back to the host before running a branch). init refused it
+      # with float16 params, so apply checks none.
+      outs = apply(operands)
+    params, opt_state, model_state, next_rng, fp8, params_finite = outs
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
         "loss": loss,
