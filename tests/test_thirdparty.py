@@ -388,3 +388,30 @@ def test_gpt2_clip_reuses_the_step_norm_through_optax_combinators(gpt2_variables
   multi = lambda clip: optax.MultiSteps(optax.chain(clip(0.1), sgd), 2)
   assert (reductions(multi(jaxamp.clip_by_global_norm))[0]
           == reductions(multi(optax.clip_by_global_norm))[0])
+
+
+def test_gpt2_skip_nonfinite_false_applies_the_step_the_default_skips(gpt2_variables):
+  """skip_nonfinite=False on a model it was not written for (HF GPT-2, Linen, bfloat16):
+  no cond in the program, and an inf step reaches the parameters, where the default
+  step leaves them bit-identical."""
+  def loss_fn(apply, batch):
+    ids, scale = batch
+    return gpt2_apply_loss(apply, ids) * scale
+
+  ids = token_ids()
+  bad = (ids, jnp.float32(jnp.inf))
+  for skip in (True, False):
+    train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16",
+                                   donate=False, skip_nonfinite=skip)
+    state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(ids))
+    conds = [e.primitive.name for e in train.trace(state, bad).jaxpr.eqns].count("cond")
+    new, metrics = train.step(state, bad)
+    assert not bool(metrics["grads_finite"])
+    after = [np.asarray(x) for x in jax.tree.leaves(new.params)]
+    if skip:
+      assert conds == 1 and int(metrics["skipped_steps"]) == 1
+      for a, b in zip(after, jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    else:
+      assert conds == 0 and int(metrics["skipped_steps"]) == 0
+      assert not all(np.isfinite(a).all() for a in after)  # applied, as optax would

@@ -803,7 +803,8 @@ def test_make_train_step_refuses_a_loss_scale_that_is_not_first(name):
     init(jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16"), "nnx", batchnorm=False)
 
 
-def test_a_float16_state_resumes_correctly_under_a_bfloat16_step():
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite):
   # Restoring a mixed_float16 checkpoint (scale 32768) into a mixed_bfloat16 step: the
   # loss is multiplied by the state's scale, so the update must divide by that scale.
   batch = make_batches(1)[0]
@@ -811,7 +812,7 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step():
   state, _ = f16.step(init(f16, "nnx", batchnorm=False), batch)
   assert float(jaxamp.get_loss_scale(state.opt_state)) == 2.0**15
   bf16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
-                                donate=False)
+                                donate=False, skip_nonfinite=skip_nonfinite)
   init(bf16, "nnx", batchnorm=False)
   resumed, metrics = bf16.step(state, batch)
   # Reference: the same state with the scale a bfloat16 run would have had (1).
