@@ -9,6 +9,10 @@
   out with :func:`jaxamp.scale_loss`, :func:`jaxamp.dynamic_loss_scale` and
   :func:`jaxamp.skip_nonfinite` (BatchNorm statistics kept on a skipped step), as a
   careful user would write it. bfloat16 and float32 get a plain step.
+- ``hand-written Flax + skip`` (overhead section, float32 and bfloat16): that plain step
+  with the exact skip jaxamp's step always has (a float32 sum of squares of the
+  gradients, then the update under ``lax.cond``; BatchNorm statistics kept on a skipped
+  step), to tell the skip's cost from the rest of jaxamp's.
 - ``Keras 3``: the Keras twin of the model (``benchmarks.models``) on the JAX backend
   under the Keras dtype policy, stepped the way Keras' own JAX trainer steps it
   (``stateless_call``, ``optimizer.scale_loss`` in a ``StatelessScope``,
@@ -41,6 +45,9 @@ from benchmarks.measure import Candidate
 
 POLICIES = ("float32", "float32 HIGHEST", "mixed_bfloat16", "mixed_float16")
 IMPLS = ("jaxamp", "hand-written Flax", "Keras 3")
+# The overhead section's third step under float32/bfloat16: the hand-written step with the
+# exact skip jaxamp's step always has (float16's hand-written step has its own already).
+HAND_SKIP = "hand-written Flax + skip"
 # FP8: jaxamp's candidate only (a hand-written FP8 step is flax's fp8_ops, another design).
 FP8_POLICIES = ("mixed_fp8",)
 MATMUL_POLICIES = ("float32", "float32 HIGHEST", "bfloat16", "float16", "mixed_bfloat16",
@@ -78,8 +85,17 @@ def _hand_optimizer(tx: optax.GradientTransformation, label: str
 
 def _wanted(impls: Sequence[str], impl: str, label: str) -> bool:
   # HIGHEST is a property of float32 matmuls, not of who wrote the step: one row does.
+  if impl == HAND_SKIP and _COMPUTE[label] == jnp.float16:
+    return False  # the float16 hand-written step skips already
   return impl in impls and (impl == "jaxamp" or not (label.endswith("HIGHEST")
                                                      or label in FP8_POLICIES))
+
+
+def _exact_skip(finite_update: Any, grads: Any, old: Any) -> Any:
+  """``finite_update()`` where every gradient is finite, else ``old`` unchanged: the
+  exact skip of jaxamp's step written by hand (one float32 sum of squares, lax.cond)."""
+  total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+  return jax.lax.cond(jnp.isfinite(total), finite_update, lambda: old)
 
 
 # --- the transformer LM ---------------------------------------------------------------------
@@ -106,8 +122,9 @@ def _jaxamp_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation,
 
 
 def _hand_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, label: str,
-              batch: Any, items: int) -> Candidate:
-  """The NNX model with ``dtype`` set by hand on every layer, in a hand-written step."""
+              batch: Any, items: int, skip: bool = False) -> Candidate:
+  """The NNX model with ``dtype`` set by hand on every layer, in a hand-written step
+  (``skip``: with jaxamp's exact skip, :func:`_exact_skip`)."""
   model = make_model(dtype=_COMPUTE[label])
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, scaled = _hand_optimizer(tx, label)
@@ -124,12 +141,17 @@ def _hand_nnx(make_model: Any, loss_fn: Any, tx: optax.GradientTransformation, l
       (_, value), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
     else:
       value, grads = jax.value_and_grad(loss)(params, rest, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state, rest), value
+
+    def update():
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_opt_state
+
+    params, opt_state = _exact_skip(update, grads, (params, opt_state)) if skip else update()
+    return (params, opt_state, rest), value
 
   report = lambda: jaxamp.precision_report(loss, params, rest, batch, backward=True)
-  return Candidate("hand-written Flax", label, step, (params, tx.init(params), rest), batch,
-                   report, None, items)
+  return Candidate(HAND_SKIP if skip else "hand-written Flax", label, step,
+                   (params, tx.init(params), rest), batch, report, None, items)
 
 
 def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int,
@@ -138,9 +160,10 @@ def _jaxamp_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int,
   return _jaxamp_nnx(make, models.lm_loss, lm_optimizer(clip), label, batch, cfg.tokens)
 
 
-def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int) -> Candidate:
+def _hand_lm(cfg: models.LMConfig, label: str, batch: Any, seed: int,
+             skip: bool = False) -> Candidate:
   make = lambda dtype: models.GPT(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-  return _hand_nnx(make, models.lm_loss, lm_optimizer(), label, batch, cfg.tokens)
+  return _hand_nnx(make, models.lm_loss, lm_optimizer(), label, batch, cfg.tokens, skip)
 
 
 def _keras_step(keras: Any, model: Any, optimizer: Any, loss_of: Any):
@@ -198,9 +221,10 @@ def lm_candidates(cfg: models.LMConfig, impls: Sequence[str] = IMPLS,
   an unchanged optax chain)."""
   batch = models.lm_batch(cfg, seed)
   build = {"jaxamp": functools.partial(_jaxamp_lm, clip=jaxamp_clip),
-           "hand-written Flax": _hand_lm, "Keras 3": _keras_lm}
+           "hand-written Flax": _hand_lm, "Keras 3": _keras_lm,
+           HAND_SKIP: functools.partial(_hand_lm, skip=True)}
   return [build[impl](cfg, label, batch, seed)
-          for label in policies for impl in IMPLS if _wanted(impls, impl, label)]
+          for label in policies for impl in (*IMPLS, HAND_SKIP) if _wanted(impls, impl, label)]
 
 
 def eager_candidates(cfg: models.LMConfig, policies: Sequence[str] = POLICIES,
@@ -228,12 +252,13 @@ def eager_candidates(cfg: models.LMConfig, policies: Sequence[str] = POLICIES,
 
 def mlp_candidates(cfg: models.MLPConfig, impls: Sequence[str] = IMPLS,
                    policies: Sequence[str] = POLICIES, seed: int = 0) -> list[Candidate]:
-  """jaxamp and hand-written pairs for the MLP (Adam: optimizer work dominates the step)."""
+  """jaxamp and hand-written steps for the MLP (Adam: optimizer work dominates the step)."""
   batch = models.mlp_batch(cfg, seed)
   make = lambda dtype: models.MLP(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-  build = {"jaxamp": _jaxamp_nnx, "hand-written Flax": _hand_nnx}
+  build = {"jaxamp": _jaxamp_nnx, "hand-written Flax": _hand_nnx,
+           HAND_SKIP: functools.partial(_hand_nnx, skip=True)}
   return [build[impl](make, models.mlp_loss, optax.adam(1e-3), label, batch, cfg.batch)
-          for label in policies for impl in IMPLS if impl in build
+          for label in policies for impl in (*IMPLS, HAND_SKIP) if impl in build
           and _wanted(impls, impl, label)]
 
 
@@ -277,7 +302,8 @@ def _jaxamp_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) 
                    cfg.batch, call=train.step, trace=train.trace)
 
 
-def _hand_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) -> Candidate:
+def _hand_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int,
+                 skip: bool = False) -> Candidate:
   module = models.resnet_module(cfg, dtype=_COMPUTE[label])
   variables = _resnet_variables(cfg, batch, seed)
   params, stats = variables["params"], variables["batch_stats"]
@@ -297,6 +323,11 @@ def _hand_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) ->
       (_, (value, new_stats)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
     else:
       (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, stats, batch)
+    if skip:  # a skipped step keeps the BatchNorm statistics too
+      def update():
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state, new_stats
+      return _exact_skip(update, grads, (params, opt_state, stats)), value
     updates, opt_state = tx.update(grads, opt_state, params)
     if scaled:  # an overflow step must not move the BatchNorm statistics either
       finite = optax.tree_utils.tree_get(opt_state, "LossScaleState").finite
@@ -305,8 +336,8 @@ def _hand_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) ->
 
   report = lambda: jaxamp.precision_report(lambda p, s, b: loss(p, s, b)[0], params, stats,
                                            batch, backward=True)
-  return Candidate("hand-written Flax", label, step, (params, tx.init(params), stats), batch,
-                   report, None, cfg.batch)
+  return Candidate(HAND_SKIP if skip else "hand-written Flax", label, step,
+                   (params, tx.init(params), stats), batch, report, None, cfg.batch)
 
 
 def _keras_resnet(cfg: models.ResNetConfig, label: str, batch: Any, seed: int) -> Candidate:
@@ -323,9 +354,9 @@ def resnet_candidates(cfg: models.ResNetConfig, impls: Sequence[str] = IMPLS,
   """Every wanted (policy, implementation) pair for ResNet."""
   batch = models.image_batch(cfg, seed)
   build = {"jaxamp": _jaxamp_resnet, "hand-written Flax": _hand_resnet,
-           "Keras 3": _keras_resnet}
+           "Keras 3": _keras_resnet, HAND_SKIP: functools.partial(_hand_resnet, skip=True)}
   return [build[impl](cfg, label, batch, seed)
-          for label in policies for impl in IMPLS if _wanted(impls, impl, label)]
+          for label in policies for impl in (*IMPLS, HAND_SKIP) if _wanted(impls, impl, label)]
 
 
 # --- a large matmul -----------------------------------------------------------------------------

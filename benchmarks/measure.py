@@ -141,7 +141,8 @@ def _compile(c: Candidate) -> tuple[Any, float]:
 def _order(n: int, r: int, stride: int = 1) -> list[int]:
   """Round ``r``'s order: rotated by ``r * stride``, reversed every other round.
 
-  With ``stride=2`` candidates ``2k`` and ``2k + 1`` always run back to back.
+  With ``stride=2`` candidates ``2k`` and ``2k + 1`` always run back to back (with
+  ``stride=3`` the groups of three, and so on).
   """
   order = [(i + r * stride) % n for i in range(n)]
   return order[::-1] if r % 2 else order
@@ -185,7 +186,7 @@ def _error(e: Exception) -> str:
 
 
 def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps: int,
-            aot: bool = True, inspect: bool = True, pairs: bool = False,
+            aot: bool = True, inspect: bool = True, group: int = 1,
             log: Callable[[str], None] = print) -> list[Measurement]:
   """Compiles, inspects and times ``candidates``; see the module docstring.
 
@@ -201,8 +202,8 @@ def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps:
       False, time each candidate's user-facing ``call`` instead, and report the first
       call's time (trace, compile and one step) as the compile time.
     inspect: run each candidate's precision report.
-    pairs: candidates come in pairs to compare (``2k`` with ``2k + 1``): keep each pair
-      back to back in every round.
+    group: candidates come in groups of this size to compare (a pair: ``2k`` with
+      ``2k + 1``): keep each group back to back in every round.
     log: where progress lines go.
 
   Returns:
@@ -223,7 +224,7 @@ def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps:
     c.state = None  # donated or copied into ``states``: drop the reference
 
   for r in range(rounds):
-    stride = 2 if pairs and len(live) % 2 == 0 else 1
+    stride = group if len(live) % group == 0 else 1
     for k in _order(len(live), r, stride):
       i, runner, c = live[k]
       state = states[i]

@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
+from benchmarks.candidates import HAND_SKIP
 from benchmarks.measure import CompileCost, Measurement
 
 # Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by a substring of
@@ -196,23 +198,48 @@ def model_table(section: Section, device_kind: str) -> list[str]:
   return _table(header, rows)
 
 
+def paired_ratio(a: Measurement, b: Measurement, resamples: int = 2000
+                 ) -> tuple[float, float, float]:
+  """``a``'s step time over ``b``'s: the median of the per-round ratios (the two ran back
+  to back in each round, so a slow spell hits both) and its 95 % bootstrap interval
+  (rounds resampled with replacement, seeded: the same rounds give the same interval).
+
+  Example:
+    >>> from benchmarks.measure import Measurement
+    >>> m = lambda times: Measurement("x", "p", None, 0.0, {}, times)
+    >>> paired_ratio(m([2.0, 2.2, 2.0]), m([2.0, 2.0, 2.0]))
+    (1.0, 1.0, 1.1)
+  """
+  ratios = np.array([x / y for x, y in zip(a.round_step_s, b.round_step_s)])
+  picks = np.random.default_rng(0).integers(0, len(ratios), (resamples, len(ratios)))
+  low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+  return float(np.median(ratios)), float(low), float(high)
+
+
 def overhead_table(section: Section, limit: float) -> tuple[list[str], list[tuple[str, float]]]:
-  """jaxamp's ``train.step`` against the hand-written step, per policy."""
+  """jaxamp's ``train.step`` against the hand-written step, per policy; where the section
+  has a hand-written step with jaxamp's exact skip too, jaxamp's ratio to that one."""
   rows, ratios = [], []
+  with_skip = any(m.impl == HAND_SKIP for m in section.results)
   for policy in dict.fromkeys(m.policy for m in section.results):
     amp = _baseline(section.results, "jaxamp", policy)
     hand = _baseline(section.results, "hand-written Flax", policy)
     if amp is None or hand is None:
       continue
-    # Paired per round: the two run back to back, so a slow spell hits both.
-    ratio = statistics.median(a / h for a, h in zip(amp.round_step_s, hand.round_step_s))
+    ratio, low, high = paired_ratio(amp, hand)
     ratios.append((policy, ratio))
-    rows.append([policy, _fmt(amp.step_s, 2, 1e3), _fmt(amp.spread, 1, 100),
-                 _fmt(hand.step_s, 2, 1e3), _fmt(hand.spread, 1, 100), f"{ratio:.3f}",
-                 "yes" if ratio <= limit else "**no**"])
+    row = [policy, _fmt(amp.step_s, 2, 1e3), _fmt(amp.spread, 1, 100),
+           _fmt(hand.step_s, 2, 1e3), _fmt(hand.spread, 1, 100), f"{ratio:.3f}",
+           f"{low:.3f}–{high:.3f}", "yes" if ratio <= limit else "**no**"]
+    if with_skip:
+      skip = _baseline(section.results, HAND_SKIP, policy)
+      row += ([_fmt(skip.step_s, 2, 1e3), "{:.3f} ({:.3f}–{:.3f})".format(
+          *paired_ratio(amp, skip))] if skip else [_NA, _NA])
+    rows.append(row)
   header = ["policy", "jaxamp ms" if section.key == "eager" else "jaxamp train.step ms",
-            "IQR %", "hand-written ms", "IQR %",
-            "ratio", f"≤ {limit}"]
+            "IQR %", "hand-written ms", "IQR %", "ratio", "95 % interval", f"≤ {limit}"]
+  if with_skip:
+    header += ["hand-written + skip ms", "ratio to it (95 %)"]
   return _table(header, rows), ratios
 
 
@@ -276,7 +303,9 @@ def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[
       "- **× vs float32**: jaxamp float32's step time over this row's (higher is faster). "
       "**× vs hand-written**: jaxamp's step time over the hand-written Flax step's with the "
       "same policy (lower is better; 1.000 is no overhead). — : does not apply; n/a: could "
-      "not be measured.",
+      "not be measured. **ratio** (overhead, eager): the median of per-round ratios of two "
+      "steps run back to back; **95 % interval**: that median's bootstrap interval over "
+      "the rounds, how far this machine's noise leaves it uncertain.",
       "- **compile s**: `.trace(...).lower().compile()` of the step (`train.trace` for jaxamp, "
       "`jax.jit(step)` otherwise), tracing included. **XLA peak / "
       "temp MiB**: `compiled.memory_analysis()` (peak: live arguments, outputs and "

@@ -162,24 +162,30 @@ def _matmul_section(size: Size, policies, args) -> report.Section:
 def _overhead_section(size: Size, policies, args) -> report.Section:
   cfg = size.lm
   policies = [p for p in policies if p != "float32 HIGHEST"]
-  pair = ("jaxamp", "hand-written Flax")
+  impls = ("jaxamp", "hand-written Flax", candidates.HAND_SKIP)
   models_ = {  # name -> candidates of one policy
-      "MLP": lambda p: candidates.mlp_candidates(size.mlp, pair, [p]),
-      "LM": lambda p: candidates.lm_candidates(cfg, pair, [p]),
+      "MLP": lambda p: candidates.mlp_candidates(size.mlp, impls, [p]),
+      "LM": lambda p: candidates.lm_candidates(cfg, impls, [p]),
       size.overhead_resnet.name: lambda p: candidates.resnet_candidates(
-          size.overhead_resnet, pair, [p]),
+          size.overhead_resnet, impls, [p]),
   }
   results = []
-  # One model's policy pair at a time: only two models are live, so neither pays for the
-  # others' memory, and every round times the pair back to back.
+  # One model's policy at a time: only its two or three steps are live, so none pays for
+  # the others' memory, and every round times them back to back.
   for name, make in models_.items():
     for policy in policies:
-      measured = measure(make(policy), warmup=args.warmup, rounds=args.overhead_rounds,
-                         steps=args.overhead_steps, aot=False, inspect=False, pairs=True)
+      group = make(policy)
+      measured = measure(group, warmup=args.warmup, rounds=args.overhead_rounds,
+                         steps=args.overhead_steps, aot=False, inspect=False,
+                         group=len(group))
       results += [dataclasses.replace(m, policy=f"{name} · {m.policy}") for m in measured]
   notes = ["jaxamp's step always checks the gradients for inf/NaN and skips a non-finite "
            "step (bfloat16 and float32 included) and computes the gradient norm for its "
-           "metrics; the hand-written steps do that only where float16 needs it."]
+           "metrics; the hand-written steps do that only where float16 needs it. "
+           "**hand-written + skip** (float32, bfloat16): the hand-written step with that "
+           "exact skip written in (a float32 sum of squares of the gradients, the update "
+           "under `lax.cond`), run in the same rounds: jaxamp's ratio to it is what its "
+           "step costs beyond the skip."]
   if args.size == "smoke":
     notes.append("Smoke size: the model is too small for the ratio to mean anything.")
   if jax.default_backend() != "cpu":
@@ -220,7 +226,7 @@ def _eager_section(size: Size, policies, args) -> report.Section:
   load = _load()
   results = measure(candidates.eager_candidates(cfg, policies), warmup=args.warmup,
                     rounds=args.overhead_rounds, steps=args.overhead_steps, aot=False,
-                    inspect=False, pairs=True)
+                    inspect=False, group=2)
   return report.Section(
       "eager", "Eager calls: policy-wrapped model vs hand-set (issue 12)",
       f"The transformer LM of the `lm` section (dim {cfg.dim}, {cfg.layers} layers, batch "

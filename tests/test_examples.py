@@ -291,6 +291,60 @@ def test_benchmark_twins_agree(model):
     pytest.skip("keras is not installed: checked jaxamp against the hand-written model only")
 
 
+@pytest.mark.parametrize("model", ["mlp", "resnet"])
+def test_benchmark_hand_written_skip_is_exact(model):
+  """The overhead section's "hand-written + skip" step updates like the plain hand-written
+  step on a finite batch and leaves its whole state (BatchNorm statistics included)
+  bit-identical on a non-finite one; float16's hand-written step skips already, so the
+  section builds no third step for it."""
+  bench = _benchmarks()
+  cands = bench.candidates
+  impls = ("hand-written Flax", cands.HAND_SKIP)
+  if model == "mlp":
+    cfg = bench.models.MLPConfig((8, 16, 4), 4)
+    build, image = cands.mlp_candidates, "x"
+  else:
+    cfg = bench.models.ResNetConfig((1,), 4, 10, 16, 2)
+    build, image = cands.resnet_candidates, "image"
+  assert [c.impl for c in build(cfg, impls, ["mixed_float16"])] == ["hand-written Flax"]
+  plain, skip = build(cfg, impls, ["float32"])
+  assert (plain.impl, skip.impl) == impls
+  first, second = (jax.jit(c.step)(c.state, c.batch)[0] for c in (plain, skip))
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(first), jax.tree.leaves(skip.state)))  # it did update
+  bad = dict(skip.batch, **{image: skip.batch[image].at[0].set(jnp.nan)})
+  after, _ = jax.jit(skip.step)(skip.state, bad)
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(skip.state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  nan_plain, _ = jax.jit(plain.step)(plain.state, bad)  # the plain step takes the NaN
+  assert not all(np.isfinite(x).all() for x in jax.tree.leaves(nan_plain))
+
+
+def test_benchmark_paired_ratio_and_its_interval():
+  """The overhead table's ratio is the median of per-round ratios, with a seeded 95 %
+  bootstrap interval around it; jaxamp's ratio to the hand-written step with the skip
+  gets its own column where the section measured one."""
+  bench = _benchmarks()
+  m = lambda impl, times: bench.measure.Measurement(impl, "MLP · float32", None, 0.0, {},
+                                                    times)
+  amp = m("jaxamp", [1.10, 1.00, 1.30, 1.05, 1.02])
+  hand = m("hand-written Flax", [1.00, 1.00, 1.00, 1.00, 1.00])
+  ratio, low, high = bench.report.paired_ratio(amp, hand)
+  assert ratio == pytest.approx(1.05) and low <= 1.02 and 1.10 <= high <= 1.30
+  assert bench.report.paired_ratio(amp, hand) == (ratio, low, high)  # seeded
+  skip = m(bench.candidates.HAND_SKIP, [1.10, 1.00, 1.30, 1.05, 1.02])
+  section = bench.report.Section("overhead", "t", "d", [amp, hand, skip])
+  table, ratios = bench.report.overhead_table(section, 1.03)
+  assert ratios == [("MLP · float32", pytest.approx(1.05))]
+  cells = table[-1].strip("| ").split(" | ")
+  assert cells[5:8] == ["1.050", f"{low:.3f}–{high:.3f}", "**no**"]
+  assert cells[-1] == "1.000 (1.000–1.000)"  # the same times: no overhead beyond the skip
+  section.results = [amp, hand]  # no such step measured: no such columns
+  assert len(bench.report.overhead_table(section, 1.03)[0][-1].split(" | ")) == 8
+
+
 # --- the main job ---------------------------------------------------------------------------------
 
 
