@@ -89,8 +89,10 @@ class TrainState(NamedTuple):
       counters do not advance on skipped steps).
     model_state: non-trainable state: BatchNorm statistics, NNX RNG streams, other
       Linen collections.
-    rng: a PRNG key, split on each applied (not skipped) step for Linen's ``'dropout'``
-      stream; unused and kept as is for NNX models (they carry their RNG streams in
+    rng: the base PRNG key of Linen's ``'dropout'`` stream: a step draws from
+      ``jax.random.fold_in(rng, n)``, ``n`` the number of steps applied before it
+      (skipped ones excluded), so the key itself never changes and a model that draws
+      none costs no key work. Unused for NNX models (they carry their RNG streams in
       ``model_state``).
     fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
       scales), updated by the step's forward and backward passes, never by the
@@ -1007,10 +1009,7 @@ class TrainStep:
   def _step_body(self, state: TrainState, batch: Any):
     scale = (jnp.ones([], _F32) if self._unit_scale
              else _ls.get_loss_scale(state.opt_state))
-    if self._adapter.uses_rng:
-      next_rng, step_rng = jax.random.split(state.rng)
-    else:
-      next_rng = step_rng = state.rng
+    step_rng = self._step_key(state) if self._adapter.uses_rng else state.rng
     grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
     # What the optimizer receives: float32 for master weights, else each param's dtype.
     opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
@@ -1024,7 +1023,7 @@ class TrainStep:
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
-      state, opt_grads, grad_norm, model_state, next_rng, fp8 = operands
+      state, opt_grads, grad_norm, model_state, fp8 = operands
       # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
       # with a second one computed inside this branch).
       known_norm = KnownNorm.of(opt_grads, grad_norm)
@@ -1033,11 +1032,11 @@ class TrainStep:
       # would be stored as inf: skip such a step like an overflowing one.
       params_finite = self._params_finite(params)
       if params_finite is None:
-        return params, opt_state, model_state, next_rng, fp8, np.bool_(True)
+        return params, opt_state, model_state, fp8, np.bool_(True)
       opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
       keep = lambda new, old: _ls._select_tree(params_finite, new, old)
       return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
-              keep(next_rng, state.rng), keep(fp8, state.fp8), params_finite)
+              keep(fp8, state.fp8), params_finite)
 
     def skip(operands):
       # Only the loss scale moves (it backs off); the rest of the state is kept.
@@ -1048,10 +1047,9 @@ class TrainStep:
             state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
       else:
         opt_state, _ = self._update(state, opt_grads, finite=False)
-      return (state.params, opt_state, state.model_state, state.rng, state.fp8,
-              np.bool_(True))
+      return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
 
-    operands = (state, opt_grads, grad_norm, model_state, next_rng, fp8)
+    operands = (state, opt_grads, grad_norm, model_state, fp8)
     if self.skips_nonfinite:
       outs = _flat_cond(grads_finite, apply, skip, operands)
     else:
@@ -1059,7 +1057,7 @@ class TrainStep:
       # GPU program reads back to the host before running a branch). init refused it
       # with float16 params, so apply checks none.
       outs = apply(operands)
-    params, opt_state, model_state, next_rng, fp8, params_finite = outs
+    params, opt_state, model_state, fp8, params_finite = outs
     ls_state = optax.tree_utils.tree_get(opt_state, "LossScaleState")
     metrics: dict[str, Any] = {
         "loss": loss,
@@ -1081,8 +1079,17 @@ class TrainStep:
       else:
         metrics["aux"] = aux
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                           model_state=model_state, rng=next_rng, fp8=fp8)
+                           model_state=model_state, rng=state.rng, fp8=fp8)
     return new_state, metrics
+
+  @staticmethod
+  def _step_key(state: TrainState) -> jax.Array:
+    """The key of Linen's ``'dropout'`` stream for this step: the base key folded with the
+    number of steps applied so far (skipped ones do not count, so a skipped step leaves
+    no trace, not even in later dropout masks). Folded, not split off a key carried in
+    the state: a model that draws no key leaves the fold dead code XLA removes."""
+    skipped = optax.tree_utils.tree_get(state.opt_state, "LossScaleState").overflow_steps
+    return jax.random.fold_in(state.rng, state.step - skipped)
 
   def _update(self, state: TrainState, grads: Any, *, finite: bool,
               known_norm: KnownNorm | None = None) -> tuple[Any, Any]:

@@ -187,6 +187,35 @@ def test_injected_inf_matches_control_run_bit_for_bit(api):
                      optax.tree_utils.tree_get(state_b.opt_state, "ScaleByAdamState"))
 
 
+def test_linen_dropout_draws_a_new_mask_each_step_from_a_base_key_that_stays():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.0), policy="float32")
+  batch = make_batches(1)[0]
+
+  def losses():
+    state = init(train, "linen", dropout=0.5, batchnorm=False)
+    base = np.asarray(jax.random.key_data(state.rng))
+    out = []
+    for _ in range(3):  # a learning rate of 0: only the dropout mask moves the loss
+      state, metrics = train.step(state, batch)
+      out.append(float(metrics["loss"]))
+    np.testing.assert_array_equal(jax.random.key_data(state.rng), base)
+    return out
+
+  first = losses()
+  assert len(set(first)) == 3  # three steps, three masks
+  assert losses() == first  # the same keys again from the same state
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_linen_model_that_draws_no_key_gets_no_key_work(dropout):
+  # The step's dropout key is folded from the base key, never split off and carried:
+  # with no Dropout drawing it, XLA keeps no threefry hash (its xors) in the program.
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
+  state = init(train, "linen", dropout=dropout)
+  compiled = train.trace(state, make_batches(1)[0]).lower().compile().as_text()
+  assert (" xor(" in compiled) == bool(dropout)
+
+
 def test_gradients_whose_norm_leaves_float32_skip_the_step():
   # Every element finite, the global norm past float32's range (~1.8e19): skipped like an
   # overflow (clipping would zero it, Adam's second moment would hold inf from then on).
