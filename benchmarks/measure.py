@@ -31,7 +31,8 @@ class Candidate:
   """One implementation of one model under one policy.
 
   Attributes:
-    impl: who wrote the precision handling: ``'jaxamp'``, ``'hand-written Flax'``,
+    impl: who wrote the precision handling: ``'jaxamp'``, ``'hand-written Flax'``
+      (``'hand-written Flax + skip'`` with jaxamp's exact skip written in),
       ``'Keras 3'`` or ``'jax.numpy'``.
     policy: the policy label (``'float32'``, ``'float32 HIGHEST'``, ``'mixed_bfloat16'``...).
     step: ``step(state, batch) -> (state, out)``, pure; ``state`` is donated.

@@ -16,7 +16,6 @@ import math
 import os
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
