@@ -236,7 +236,12 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
   unscaled = grads if scale is None else unscale(grads, scale)
   leaves = [x for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
   total = functools.reduce(jax.lax.add, map(_sum_of_squares, leaves), np.float32(0))
-  return unscaled, jax.lax.sqrt(total), jax.lax.is_finite(total)
+  # The verdict is read off the norm, not the sum: the same answer (a sum of squares is
+  # finite exactly when its root is), and the sum then has one consumer, so XLA fuses
+  # every leaf's reduction into the one kernel that takes the root, where three
+  # consumers left each reduction its own kernel ahead of the skip's branch.
+  norm = jax.lax.sqrt(total)
+  return unscaled, norm, jax.lax.is_finite(norm)
 
 
 _rules_seen = threading.local()

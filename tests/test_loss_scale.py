@@ -555,6 +555,22 @@ def test_traced_hyperparameter_raises_clear_error():
     jax.jit(lambda s: jaxamp.dynamic_loss_scale(initial_scale=s).init(None))(2.0)
 
 
+def test_unscaled_norm_and_finite_reads_the_verdict_off_the_norm():
+  # The sum of squares must have one consumer (the square root): with more (the verdict,
+  # the cond's index), XLA:CPU keeps every leaf's reduction a kernel of its own on the
+  # way to the skip's branch instead of fusing them into the one that takes the root.
+  grads = {"a": jnp.ones((3, 2)), "b": jnp.ones(4, jnp.bfloat16), "c": jnp.ones(())}
+  jaxpr = jax.make_jaxpr(lambda g: jaxamp.loss_scale.unscaled_norm_and_finite(g, None))(
+      grads).jaxpr
+  (sqrt,) = [e for e in jaxpr.eqns if e.primitive.name == "sqrt"]
+  (is_finite,) = [e for e in jaxpr.eqns if e.primitive.name == "is_finite"]
+  total = sqrt.invars[0]
+  assert [e.primitive.name for e in jaxpr.eqns if total in e.invars] == ["sqrt"]
+  assert total not in jaxpr.outvars
+  assert is_finite.invars == sqrt.outvars
+  assert jaxpr.outvars[-2:] == [sqrt.outvars[0], is_finite.outvars[0]]
+
+
 @pytest.mark.parametrize("scale", [None, 4.0])
 def test_unscaled_norm_and_finite_verdict_is_a_finite_float32_norm(scale):
   # One sum of squares decides: finite exactly when every element is finite and the
