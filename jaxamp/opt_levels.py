@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.policy import _HALF, get_policy, Policy
+from jaxamp.rules import pure_policy_fn
 
 __all__ = ["OPT_LEVELS", "LossScaleSpec", "OptLevel", "opt_level"]
 
@@ -123,6 +124,7 @@ class OptLevel(NamedTuple):
 _FIELDS = tuple(f for f in OptLevel._fields if f != "name")
 
 
+@pure_policy_fn
 def _float32_norm(enclosing: Policy) -> Policy:
   return Policy(_F32, _F32, enclosing.compute_dtype)
 

@@ -106,6 +106,17 @@ def is_named_norm(cls: type) -> bool:
   return NORM_NAME_PATTERN.search(getattr(cls, "__name__", "")) is not None
 
 
+def pure_policy_fn(fn: Callable[[Policy], Policy]) -> Callable[[Policy], Policy]:
+  """Marks one of jaxamp's own policy functions as pure: rules giving it may share a
+  resolved tree across calls (a user's policy function runs on every resolution)."""
+  _PURE_POLICY_FNS.add(fn)
+  return fn
+
+
+_PURE_POLICY_FNS: set[Callable[[Policy], Policy]] = set()
+
+
+@pure_policy_fn
 def float32_compute(enclosing: Policy) -> Policy:
   """Rule for precision-sensitive layers: compute in float32, return the enclosing compute dtype.
 
@@ -371,12 +382,42 @@ def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: 
     ``{path: policy}`` for every listed module.
   """
   model_policy = get_policy(model_policy)
+  modules = tuple(modules)
+  key = _tree_key(modules, model_policy)
+  found = None if key is None else _trees.get(key)
+  if found is not None:
+    return dict(found)
   resolved: dict[tuple[Any, ...], Policy] = {}
   for path, cls in sorted(modules, key=lambda entry: len(entry[0])):
     enclosing = next((resolved[path[:n]] for n in range(len(path) - 1, -1, -1)
                       if path[:n] in resolved), model_policy)
     resolved[path] = resolve_policy(cls, path, enclosing)
+  if key is not None:
+    if len(_trees) >= _TREES_SIZE:
+      _trees.clear()
+    _trees[key] = dict(resolved)
   return resolved
+
+
+# resolve_tree's answers, by modules, model policy and the rules in force: a wrapped NNX
+# model resolves its tree on every call (eagerly, every call is a Python call).
+_trees: dict[Any, dict[tuple[Any, ...], Policy]] = {}
+_TREES_SIZE = 256
+
+
+def _tree_key(modules: tuple[Any, ...], model_policy: Policy) -> Any:
+  """The cache key of a resolve_tree call, or None where its answer may not be reused:
+  a rule given as a user's policy function (their code runs every time) or a key that
+  cannot be hashed."""
+  rules = tuple(_current())
+  if any(_is_policy_fn(rule.spec) and rule.spec not in _PURE_POLICY_FNS for rule in rules):
+    return None
+  key = (modules, model_policy, rules)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 def path_name(path: tuple[Any, ...]) -> str:

@@ -184,3 +184,32 @@ def test_set_policy_outside_a_block_is_process_wide():
     assert jaxamp.resolve_policy(nnx.Linear, "head", f32).name == "mixed_bfloat16"
   finally:
     jaxamp.set_policy("head", None)
+
+
+def test_resolved_trees_are_reused_until_a_rule_changes_and_user_functions_run_each_time():
+  from jaxamp import rules
+
+  tree = [((), nnx.Sequential), (("layers", 0), nnx.Linear), (("layers", 1), nnx.LayerNorm)]
+  first = rules.resolve_tree(tree, BF16)
+  assert rules.resolve_tree(tree, BF16) == first
+  assert len(rules._trees) >= 1 and any(k[0] == tuple(tree) for k in rules._trees)
+  first[("layers", 0)] = F32  # a caller's edit does not reach the cache
+  assert rules.resolve_tree(tree, BF16)[("layers", 0)] == BF16
+  assert rules.resolve_tree(tree, F32)[("layers", 0)] == F32  # the model policy is in the key
+  with jaxamp.policy_rules({"layers/0": "float16"}):
+    assert rules.resolve_tree(tree, BF16)[("layers", 0)].name == "float16"
+    jaxamp.set_policy(nnx.LayerNorm, "mixed_bfloat16")  # an edit inside the block
+    assert rules.resolve_tree(tree, BF16)[("layers", 1)] == BF16
+    jaxamp.clear_policies()
+    assert rules.resolve_tree(tree, BF16)[("layers", 0)] == BF16
+  assert rules.resolve_tree(tree, BF16)[("layers", 1)].compute_dtype.name == "float32"
+  seen = []
+
+  def spy(enclosing):
+    seen.append(enclosing)
+    return enclosing.with_output_dtype("float32")
+
+  with jaxamp.policy_rules({nnx.Linear: spy}):
+    for _ in range(3):
+      assert rules.resolve_tree(tree, BF16)[("layers", 0)].output_dtype.name == "float32"
+  assert len(seen) == 3  # a user's policy function is never cached
