@@ -88,6 +88,8 @@ class Measurement:
   matmul_flops: int | None = None
   residual_bytes: int | None = None
   error: str | None = None
+  # The sitting each round came from (see measure_sittings); empty: all from one.
+  round_sitting: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def step_s(self) -> float:
@@ -241,6 +243,43 @@ def measure(candidates: Sequence[Candidate], *, warmup: int, rounds: int, steps:
     log(f"  {c.name:<40} {1e3 * m.step_s:9.2f} ms/step  (IQR {100 * m.spread:.1f}%)")
   states.clear()
   return results
+
+
+def measure_sittings(make: Callable[[], Sequence[Candidate]], sittings: int, *,
+                     group: int | None = None, **kwargs: Any) -> list[Measurement]:
+  """:func:`measure` in ``sittings`` sittings, each on fresh candidates from ``make()``,
+  pooled: one :class:`Measurement` per candidate with every sitting's rounds.
+
+  Two instances of one compiled program can differ by a percent or more in a process
+  (where XLA's buffers landed), so a ratio from one sitting carries that instance's luck;
+  pooled sittings spread it, and :func:`benchmarks.report.paired_ratio` resamples the
+  sittings as well as their rounds.
+
+  Args:
+    make: builds the candidates (fresh models and states: a sitting consumes them).
+    sittings: how many times to build and measure them.
+    group: as :func:`measure`'s; None: all the candidates of a sitting are one group.
+    **kwargs: :func:`measure`'s other keyword arguments.
+
+  Returns:
+    One :class:`Measurement` per candidate, in ``make()``'s order: the rounds of all
+    sittings, ``round_sitting`` saying which, the median compile time.
+  """
+  runs = []
+  for sitting in range(sittings):
+    candidates = make()
+    runs.append(measure(candidates, group=group or len(candidates), **kwargs))
+    del candidates
+    gc.collect()  # one sitting's programs and states at a time
+  pooled = []
+  for ms in zip(*runs):
+    first = ms[0]
+    rounds = [t for m in ms for t in m.round_step_s]
+    pooled.append(dataclasses.replace(
+        first, compile_s=statistics.median(m.compile_s for m in ms), round_step_s=rounds,
+        round_sitting=[s for s, m in enumerate(ms) for _ in m.round_step_s],
+        error=next((m.error for m in ms if m.error), None)))
+  return pooled
 
 
 # --- lowering and compiling only ----------------------------------------------------------------

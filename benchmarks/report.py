@@ -201,7 +201,10 @@ def paired_ratio(a: Measurement, b: Measurement, resamples: int = 2000
                  ) -> tuple[float, float, float]:
   """``a``'s step time over ``b``'s: the median of the per-round ratios (the two ran back
   to back in each round, so a slow spell hits both) and its 95 % bootstrap interval
-  (rounds resampled with replacement, seeded: the same rounds give the same interval).
+  (seeded: the same rounds give the same interval). Rounds are resampled with
+  replacement; where they came from several sittings (``round_sitting``), the sittings
+  are resampled first and then the rounds within each, so an interval also says how
+  much the sittings disagree.
 
   Example:
     >>> from benchmarks.measure import Measurement
@@ -209,9 +212,21 @@ def paired_ratio(a: Measurement, b: Measurement, resamples: int = 2000
     >>> paired_ratio(m([2.0, 2.2, 2.0]), m([2.0, 2.0, 2.0]))
     (1.0, 1.0, 1.1)
   """
+  if a.round_sitting != b.round_sitting or len(a.round_step_s) != len(b.round_step_s):
+    raise ValueError(f"paired_ratio: {a.impl} and {b.impl} were not timed in the same rounds")
   ratios = np.array([x / y for x, y in zip(a.round_step_s, b.round_step_s)])
-  picks = np.random.default_rng(0).integers(0, len(ratios), (resamples, len(ratios)))
-  low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+  rng = np.random.default_rng(0)
+  sitting = np.array(a.round_sitting or [0] * len(ratios))
+  groups = [ratios[sitting == s] for s in np.unique(sitting)]
+  if len(groups) == 1:
+    medians = np.median(ratios[rng.integers(0, len(ratios), (resamples, len(ratios)))], axis=1)
+  else:
+    medians = np.empty(resamples)
+    for i in range(resamples):
+      picked = [groups[g] for g in rng.integers(0, len(groups), len(groups))]
+      medians[i] = np.median(np.concatenate([g[rng.integers(0, len(g), len(g))]
+                                             for g in picked]))
+  low, high = np.percentile(medians, [2.5, 97.5])
   return float(np.median(ratios)), float(low), float(high)
 
 
@@ -303,8 +318,9 @@ def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[
       "**× vs hand-written**: jaxamp's step time over the hand-written Flax step's with the "
       "same policy (lower is better; 1.000 is no overhead). — : does not apply; n/a: could "
       "not be measured. **ratio** (overhead, eager): the median of per-round ratios of two "
-      "steps run back to back; **95 % interval**: that median's bootstrap interval over "
-      "the rounds, how far this machine's noise leaves it uncertain.",
+      "steps run back to back; **95 % interval**: that median's bootstrap interval (over "
+      "the sittings, each on fresh instances, and the rounds within them), how far this "
+      "machine's noise and an instance's luck leave it uncertain.",
       "- **compile s**: `.trace(...).lower().compile()` of the step (`train.trace` for jaxamp, "
       "`jax.jit(step)` otherwise), tracing included. **XLA peak / "
       "temp MiB**: `compiled.memory_analysis()` (peak: live arguments, outputs and "

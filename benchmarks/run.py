@@ -54,8 +54,8 @@ import jaxamp  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
 
 from benchmarks import candidates, models, report  # pylint: disable=g-import-not-at-top
-from benchmarks.measure import (Lowering, compile_costs, lower_for,  # pylint: disable=g-import-not-at-top
-                                measure)
+from benchmarks.measure import (  # pylint: disable=g-import-not-at-top
+    Lowering, compile_costs, lower_for, measure, measure_sittings)
 
 # The overhead comparison runs first: on a 2-core CPU its ratio drifted when it followed
 # the ResNet-50 section (whose compiled programs and buffers it then shares the process
@@ -80,8 +80,11 @@ class Size:
   warmup: int
   rounds: int
   steps: int
-  overhead_rounds: int
+  overhead_rounds: int  # per sitting
   overhead_steps: int
+  # Overhead and eager pairs are measured in this many sittings, each on fresh instances
+  # (see measure.measure_sittings), their rounds pooled.
+  overhead_sittings: int = 1
   resnet_policies: tuple[str, ...] = candidates.POLICIES
   # Policies the LM section adds for jaxamp (FP8: lowered and measured at --size gpu).
   lm_extra: tuple[str, ...] = ()
@@ -106,14 +109,16 @@ SIZES = {
     # of its width on 64x64 images; float32 HIGHEST is float32 on a CPU, so ResNet skips it.
     "cpu": Size(lm=models.LMConfig(vocab=256, dim=128, heads=4, layers=2, seq_len=128, batch=8),
                 resnet=models.ResNetConfig((3, 4, 6, 3), 16, 1000, 64, 8), matmul=1024,
-                warmup=2, rounds=7, steps=2, overhead_rounds=40, overhead_steps=3,
+                warmup=2, rounds=7, steps=2, overhead_rounds=20, overhead_steps=3,
+                overhead_sittings=3,
                 resnet_policies=("float32", "mixed_bfloat16", "mixed_float16")),
     # Full size, for one GPU: GPT-2-small-shaped LM on 8k tokens, ResNet-50 at 224x224,
     # batch 256, as in the classic AMP tutorials.
     "gpu": Size(lm=models.LMConfig(vocab=32768, dim=768, heads=12, layers=12, seq_len=1024,
                                    batch=8),
                 resnet=models.ResNetConfig((3, 4, 6, 3), 64, 1000, 224, 256), matmul=8192,
-                warmup=5, rounds=7, steps=5, overhead_rounds=15, overhead_steps=5,
+                warmup=5, rounds=7, steps=5, overhead_rounds=10, overhead_steps=5,
+                overhead_sittings=2,
                 lm_extra=candidates.FP8_POLICIES),
 }
 
@@ -174,10 +179,10 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
   # the others' memory, and every round times them back to back.
   for name, make in models_.items():
     for policy in policies:
-      group = make(policy)
-      measured = measure(group, warmup=args.warmup, rounds=args.overhead_rounds,
-                         steps=args.overhead_steps, aot=False, inspect=False,
-                         group=len(group))
+      measured = measure_sittings(
+          lambda make=make, policy=policy: make(policy), args.overhead_sittings,
+          warmup=args.warmup, rounds=args.overhead_rounds, steps=args.overhead_steps,
+          aot=False, inspect=False)
       results += [dataclasses.replace(m, policy=f"{name} · {m.policy}") for m in measured]
   notes = ["jaxamp's step always checks the gradients for inf/NaN and skips a non-finite "
            "step (bfloat16 and float32 included) and computes the gradient norm for its "
@@ -202,9 +207,17 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
       "`dtype` set by hand; float16 scaling written with `jaxamp.scale_loss`, "
       "`jaxamp.dynamic_loss_scale` and `jaxamp.skip_nonfinite`. Each policy's pair is "
       "measured on its own, in interleaved rounds "
-      f"({args.overhead_rounds} × {args.overhead_steps} steps); the ratio is the median of "
-      "the per-round ratios (the two steps of a policy run next to each other in a round).",
+      f"({_sittings(args)}); the ratio is the median of the per-round ratios (the steps of a "
+      "policy run next to each other in a round).",
       results, notes=notes)
+
+
+def _sittings(args, unit: str = "steps") -> str:
+  rounds = f"{args.overhead_rounds} × {args.overhead_steps} {unit}"
+  if args.overhead_sittings == 1:
+    return rounds
+  return (f"{args.overhead_sittings} sittings of {rounds}, each on fresh instances, the "
+          "rounds pooled")
 
 
 def _load() -> str:
@@ -224,9 +237,10 @@ def _load_note(start: str) -> str:
 def _eager_section(size: Size, policies, args) -> report.Section:
   cfg = size.lm
   load = _load()
-  results = measure(candidates.eager_candidates(cfg, policies), warmup=args.warmup,
-                    rounds=args.overhead_rounds, steps=args.overhead_steps, aot=False,
-                    inspect=False, group=2)
+  results = measure_sittings(
+      lambda: candidates.eager_candidates(cfg, policies), args.overhead_sittings,
+      warmup=args.warmup, rounds=args.overhead_rounds, steps=args.overhead_steps,
+      aot=False, inspect=False, group=2)
   return report.Section(
       "eager", "Eager calls: policy-wrapped model vs hand-set (issue 12)",
       f"The transformer LM of the `lm` section (dim {cfg.dim}, {cfg.layers} layers, batch "
@@ -234,7 +248,7 @@ def _eager_section(size: Size, policies, args) -> report.Section:
       "`jaxamp.nnx.with_policy(model, policy)(ids)` against the same model with `dtype` "
       "set by hand on every layer. Every op dispatches on its own, so the ratio is the "
       "wrapper's Python work per call over the model's. Interleaved rounds "
-      f"({args.overhead_rounds} × {args.overhead_steps} calls), median of per-round ratios.",
+      f"({_sittings(args, 'calls')}), median of per-round ratios.",
       results, notes=[f"Target: ≤ {EAGER_LIMIT}.", _load_note(load)])
 
 
@@ -378,7 +392,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--warmup", type=int, help="warm-up steps per candidate")
   parser.add_argument("--rounds", type=int, help="interleaved timing rounds")
   parser.add_argument("--steps", type=int, help="steps per candidate per round")
-  parser.add_argument("--overhead-rounds", type=int, help="rounds of the overhead section")
+  parser.add_argument("--overhead-rounds", type=int,
+                      help="rounds per sitting of the overhead and eager sections")
+  parser.add_argument("--overhead-sittings", type=int,
+                      help="sittings (fresh instances each) of the overhead and eager sections")
   parser.add_argument("--overhead-steps", type=int, help="steps per round, overhead section")
   parser.add_argument("--compile-reps", type=int,
                       help="cold-cache repetitions per candidate, compile section")
@@ -397,6 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args.rounds = size.rounds if args.rounds is None else args.rounds
   args.steps = size.steps if args.steps is None else args.steps
   args.overhead_rounds = args.overhead_rounds or size.overhead_rounds
+  args.overhead_sittings = args.overhead_sittings or size.overhead_sittings
   args.overhead_steps = args.overhead_steps or size.overhead_steps
   args.compile_reps = args.compile_reps or size.compile_reps
   args.policies = [POLICY_FLAGS[p] for p in args.policies]

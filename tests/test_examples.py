@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import statistics
 import sys
 import types
 import warnings
@@ -161,7 +162,7 @@ def test_benchmark_harness_smoke(tmp_path):
   out = _benchmarks().run.main([
       "--size", "smoke", "--out", str(tmp_path), "--policies", "mixed_float16",
       "--impls", "jaxamp", "--only", "lm", "matmul", "overhead", "eager", "--warmup", "1",
-      "--rounds", "2", "--steps", "1"])
+      "--rounds", "2", "--steps", "1", "--overhead-sittings", "2"])
   (m,) = out["sections"]["lm"].results
   assert (m.impl, m.policy, m.error) == ("jaxamp", "mixed_float16", None)
   assert len(m.round_step_s) == 2 and all(t > 0 for t in m.round_step_s)
@@ -179,11 +180,13 @@ def test_benchmark_harness_smoke(tmp_path):
   assert models[:2] == ["MLP", "LM"] and models[2].startswith("ResNet")  # three models
   assert pairs == [(impl, f"{model} · mixed_float16") for model in models
                    for impl in ("jaxamp", "hand-written Flax")]
-  assert all(len(m.round_step_s) == 2 for m in overhead)
+  # Two sittings on fresh instances, two rounds each, pooled.
+  assert all(m.round_sitting == [0, 0, 1, 1] and len(m.round_step_s) == 4 for m in overhead)
   eager = out["sections"]["eager"].results  # the LM forward without jit, one pair
   assert [(m.impl, m.policy, m.error) for m in eager] == [
       ("jaxamp", "mixed_float16", None), ("hand-written Flax", "mixed_float16", None)]
-  assert all(len(m.round_step_s) == 2 and min(m.round_step_s) > 0 for m in eager)
+  assert all(m.round_sitting == [0, 0, 1, 1] and min(m.round_step_s) > 0 for m in eager)
+  assert "2 sittings of 2 × 1 steps" in (tmp_path / "RESULTS.md").read_text()
 
   text = (tmp_path / "RESULTS.md").read_text()
   assert out["machine"]["cpu"] in text and f"jax / jaxlib | {jax.__version__}" in text
@@ -202,8 +205,8 @@ def test_benchmark_harness_smoke(tmp_path):
   info, kept = _benchmarks().report.read_sections(tmp_path / "results.json")
   assert info["device"] == out["machine"]["device"] and set(kept) == set(out["sections"])
   for key, section in out["sections"].items():
-    assert [m.round_step_s for m in kept[key].results] == [
-        m.round_step_s for m in section.results]
+    assert [(m.round_step_s, m.round_sitting) for m in kept[key].results] == [
+        (m.round_step_s, m.round_sitting) for m in section.results]
     assert kept[key].notes == section.notes
   assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -343,6 +346,25 @@ def test_benchmark_paired_ratio_and_its_interval():
   assert cells[-1] == "1.000 (1.000–1.000)"  # the same times: no overhead beyond the skip
   section.results = [amp, hand]  # no such step measured: no such columns
   assert len(bench.report.overhead_table(section, 1.03)[0][-1].split(" | ")) == 8
+
+
+def test_benchmark_paired_ratio_resamples_sittings_then_rounds():
+  """Pooled sittings: the ratio is the median of all rounds; the interval resamples the
+  sittings too, so two sittings that disagree widen it where one sitting's rounds would
+  not; rounds from different sittings are never paired."""
+  bench = _benchmarks()
+  m = lambda times, sittings: bench.measure.Measurement("x", "p", None, 0.0, {}, times,
+                                                        round_sitting=sittings)
+  amp = [base + 0.001 * i for base in (1.00, 1.05, 1.10) for i in range(10)]
+  hand = [1.0] * 30
+  three = [s for s in range(3) for _ in range(10)]
+  ratio, low, high = bench.report.paired_ratio(m(amp, three), m(hand, three))
+  assert ratio == pytest.approx(statistics.median(amp))
+  assert low < 1.01 and high > 1.10  # all three sittings' levels are plausible
+  one = bench.report.paired_ratio(m(amp, []), m(hand, []))  # the same rounds, one sitting
+  assert one[0] == ratio and one[1] > low + 0.02 and one[2] < high - 0.02
+  with pytest.raises(ValueError, match="same rounds"):
+    bench.report.paired_ratio(m(amp, three), m(hand, [0] * 30))
 
 
 # --- the main job ---------------------------------------------------------------------------------
