@@ -109,8 +109,8 @@ SIZES = {
     # of its width on 64x64 images; float32 HIGHEST is float32 on a CPU, so ResNet skips it.
     "cpu": Size(lm=models.LMConfig(vocab=256, dim=128, heads=4, layers=2, seq_len=128, batch=8),
                 resnet=models.ResNetConfig((3, 4, 6, 3), 16, 1000, 64, 8), matmul=1024,
-                warmup=2, rounds=7, steps=2, overhead_rounds=20, overhead_steps=3,
-                overhead_sittings=3,
+                warmup=2, rounds=7, steps=2, overhead_rounds=12, overhead_steps=3,
+                overhead_sittings=5,
                 resnet_policies=("float32", "mixed_bfloat16", "mixed_float16")),
     # Full size, for one GPU: GPT-2-small-shaped LM on 8k tokens, ResNet-50 at 224x224,
     # batch 256, as in the classic AMP tutorials.
