@@ -410,12 +410,12 @@ def _tree_key(modules: tuple[Any, ...], model_policy: Policy) -> Any:
   a rule given as a user's policy function (their code runs every time) or a key that
   cannot be hashed."""
   rules = tuple(_current())
-  if any(_is_policy_fn(rule.spec) and rule.spec not in _PURE_POLICY_FNS for rule in rules):
-    return None
   key = (modules, model_policy, rules)
   try:
+    if any(_is_policy_fn(rule.spec) and rule.spec not in _PURE_POLICY_FNS for rule in rules):
+      return None
     hash(key)
-  except TypeError:
+  except TypeError:  # a spec (a callable dataclass, say) or a path key that cannot be hashed
     return None
   return key
 

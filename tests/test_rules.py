@@ -1,5 +1,6 @@
 """Tests for jaxamp.rules: class and path rules, precedence, defaults, scoped rules."""
 
+import dataclasses
 import re
 import threading
 
@@ -213,3 +214,18 @@ def test_resolved_trees_are_reused_until_a_rule_changes_and_user_functions_run_e
     for _ in range(3):
       assert rules.resolve_tree(tree, BF16)[("layers", 0)].output_dtype.name == "float32"
   assert len(seen) == 3  # a user's policy function is never cached
+
+  @dataclasses.dataclass
+  class Output:  # eq=True without frozen: a callable that cannot be hashed
+    dtype: str
+    calls: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, enclosing):
+      self.calls.append(enclosing)
+      return enclosing.with_output_dtype(self.dtype)
+
+  spec = Output("float32")
+  with jaxamp.policy_rules({nnx.Linear: spec}):
+    for _ in range(2):
+      assert rules.resolve_tree(tree, BF16)[("layers", 0)].output_dtype.name == "float32"
+  assert len(spec.calls) == 2
