@@ -266,7 +266,7 @@ def measure_sittings(make: Callable[[], Sequence[Candidate]], sittings: int, *,
     sittings, ``round_sitting`` saying which, the median compile time.
   """
   runs = []
-  for sitting in range(sittings):
+  for _ in range(sittings):
     candidates = make()
     runs.append(measure(candidates, group=group or len(candidates), **kwargs))
     del candidates

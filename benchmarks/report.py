@@ -218,14 +218,11 @@ def paired_ratio(a: Measurement, b: Measurement, resamples: int = 2000
   rng = np.random.default_rng(0)
   sitting = np.array(a.round_sitting or [0] * len(ratios))
   groups = [ratios[sitting == s] for s in np.unique(sitting)]
-  if len(groups) == 1:
-    medians = np.median(ratios[rng.integers(0, len(ratios), (resamples, len(ratios)))], axis=1)
-  else:
-    medians = np.empty(resamples)
-    for i in range(resamples):
-      picked = [groups[g] for g in rng.integers(0, len(groups), len(groups))]
-      medians[i] = np.median(np.concatenate([g[rng.integers(0, len(g), len(g))]
-                                             for g in picked]))
+  medians = np.empty(resamples)
+  for i in range(resamples):
+    picked = [groups[g] for g in rng.integers(0, len(groups), len(groups))]
+    medians[i] = np.median(np.concatenate([g[rng.integers(0, len(g), len(g))]
+                                           for g in picked]))
   low, high = np.percentile(medians, [2.5, 97.5])
   return float(np.median(ratios)), float(low), float(high)
 

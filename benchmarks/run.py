@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -180,7 +181,7 @@ def _overhead_section(size: Size, policies, args) -> report.Section:
   for name, make in models_.items():
     for policy in policies:
       measured = measure_sittings(
-          lambda make=make, policy=policy: make(policy), args.overhead_sittings,
+          functools.partial(make, policy), args.overhead_sittings,
           warmup=args.warmup, rounds=args.overhead_rounds, steps=args.overhead_steps,
           aot=False, inspect=False)
       results += [dataclasses.replace(m, policy=f"{name} · {m.policy}") for m in measured]
