@@ -1016,3 +1016,45 @@ def test_overflow_rule_is_the_loss_scale_update_on_an_overflow():
   assert jaxamp.loss_scale.overflow_rule(optax.inject_hyperparams(
       lambda learning_rate: optax.chain(ls, optax.sgd(learning_rate)))(learning_rate=0.1),
       params) is None
+
+
+def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after():
+  import gc
+  import threading
+  seen = []
+
+  def loss(model, batch):
+    seen.append(gc.get_threshold())
+    if batch["x"].shape[0] == 3:
+      raise RuntimeError("the user's loss failed")
+    return loss_fn(model, batch)
+
+  found = gc.get_threshold()
+  gc.set_threshold(found[0], found[1], 7)  # a user's own setting, put back after
+  try:
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), donate=False)
+    state = init(train, "nnx", batchnorm=False)
+    batch, = make_batches(1)
+    train.step(state, batch)
+    assert seen[-1][:2] == found[:2] and seen[-1][2] >= 2**30  # deferred while tracing
+    assert gc.get_threshold() == (found[0], found[1], 7)  # and put back
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+      train.trace(state, jax.tree.map(lambda x: x[:3], batch))
+    assert gc.get_threshold() == (found[0], found[1], 7)  # put back on an error too
+    # Threads tracing at once: the last one out puts the threshold back.
+    errors = []
+
+    def trace(n):
+      try:
+        train.trace(state, jax.tree.map(lambda x: np.concatenate([x] * n), batch))
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+    threads = [threading.Thread(target=trace, args=(n,)) for n in (2, 4, 5)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert not errors and gc.get_threshold() == (found[0], found[1], 7)
+  finally:
+    gc.set_threshold(*found)
