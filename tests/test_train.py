@@ -1018,28 +1018,30 @@ def test_overflow_rule_is_the_loss_scale_update_on_an_overflow():
       params) is None
 
 
-def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after():
+@pytest.mark.parametrize("api,accum", [("nnx", 1), ("linen", 2)])
+def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after(api, accum):
   import gc
   import threading
   seen = []
 
   def loss(model, batch):
     seen.append(gc.get_threshold())
-    if batch["x"].shape[0] == 3:
+    if "fail" in batch:
       raise RuntimeError("the user's loss failed")
     return loss_fn(model, batch)
 
   found = gc.get_threshold()
   gc.set_threshold(found[0], found[1], 7)  # a user's own setting, put back after
   try:
-    train = jaxamp.make_train_step(loss, optax.sgd(0.1), donate=False)
-    state = init(train, "nnx", batchnorm=False)
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), donate=False,
+                                   grad_accum_steps=accum)
+    state = init(train, api, batchnorm=False)
     batch, = make_batches(1)
     train.step(state, batch)
     assert seen[-1][:2] == found[:2] and seen[-1][2] >= 2**30  # deferred while tracing
     assert gc.get_threshold() == (found[0], found[1], 7)  # and put back
     with pytest.raises(RuntimeError, match="the user's loss failed"):
-      train.trace(state, jax.tree.map(lambda x: x[:3], batch))
+      train.trace(state, dict(batch, fail=np.zeros(len(batch["x"]))))
     assert gc.get_threshold() == (found[0], found[1], 7)  # put back on an error too
     # Threads tracing at once: the last one out puts the threshold back.
     errors = []
