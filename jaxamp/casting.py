@@ -15,13 +15,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_floating", "is_floating_array", "is_floating_dtype"]
+__all__ = ["cast_floating", "is_floating_array", "is_floating_dtype", "read_as",
+           "narrow_cotangents"]
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -98,3 +103,101 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   if isinstance(tree, jax.Array):  # one array (a parameter read): no tree to walk
     return cast_leaf(tree, dtype)
   return jax.tree.map(lambda x: cast_leaf(x, dtype), tree)
+
+
+# --- parameter reads that keep their half-precision cotangents ------------------------------
+
+
+class NarrowCotangents:
+  """The half-precision cotangents behind float32 gradients, found while
+  :func:`narrow_cotangents` is active.
+
+  A float32 parameter read once in half precision gets, in reverse mode, the widening of
+  that read's half-precision cotangent as its gradient. A train step that must hold its
+  gradients across a ``lax.cond`` (the exact skip of a non-finite step) can hold that
+  cotangent instead and widen it inside the branch: bit-identical gradients, half the
+  bytes written and read, and the widening fused into the optimizer's update as it is
+  without the skip. A parameter read twice or more (its cotangents summed in float32) or
+  inside a loop or ``jax.checkpoint`` gets no entry: :meth:`narrow` returns None for it.
+  """
+
+  def __init__(self):
+    self._found: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+  def record(self, wide: jax.Array, narrow: jax.Array) -> None:
+    self._found[id(wide)] = (wide, narrow)
+
+  def narrow(self, grad: Any) -> jax.Array | None:
+    """The half-precision value whose widening ``grad`` is (the same traced value), or None."""
+    hit = self._found.get(id(grad))
+    return hit[1] if hit is not None and hit[0] is grad else None
+
+
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def narrow_cotangents() -> Iterator[NarrowCotangents]:
+  """While active, :func:`read_as` narrowings record their cotangents in the yielded
+  :class:`NarrowCotangents` (in this thread).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxamp.casting import narrow_cotangents, read_as
+    >>> loss = lambda w, x: jnp.sum((x @ read_as(w, jnp.bfloat16)).astype(jnp.float32))
+    >>> @jax.jit
+    ... def kept(w, x):
+    ...   with narrow_cotangents() as found:
+    ...     g = jax.grad(loss)(w, x)
+    ...   return g, found.narrow(g)
+    >>> g, narrow = kept(jnp.ones((2, 2)), jnp.ones((1, 2), jnp.bfloat16))
+    >>> g.dtype, narrow.dtype, bool((narrow.astype(g.dtype) == g).all())
+    (dtype('float32'), dtype(bfloat16), True)
+  """
+  previous = getattr(_active, "found", None)
+  _active.found = found = NarrowCotangents()
+  try:
+    yield found
+  finally:
+    _active.found = previous
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _recorded_narrowing(x: jax.Array, dtypes: tuple[np.dtype, np.dtype]) -> jax.Array:
+  return jax.lax.convert_element_type(x, dtypes[1])
+
+
+def _narrowing_fwd(x: jax.Array, dtypes: tuple[np.dtype, np.dtype]) -> tuple[jax.Array, None]:
+  return jax.lax.convert_element_type(x, dtypes[1]), None
+
+
+def _narrowing_bwd(dtypes: tuple[np.dtype, np.dtype], _: None, ct: jax.Array
+                   ) -> tuple[jax.Array]:
+  wide = jax.lax.convert_element_type(ct, dtypes[0])  # what the plain cast's transpose is
+  found = getattr(_active, "found", None)
+  if found is not None:
+    found.record(wide, ct)
+  return (wide,)
+
+
+_recorded_narrowing.defvjp(_narrowing_fwd, _narrowing_bwd)
+
+
+def read_as(x: Any, dtype: np.dtype) -> Any:
+  """A parameter read in ``dtype``: :func:`cast_floating` of one leaf, which inside
+  :func:`narrow_cotangents` also records the cotangent of a narrowing cast of a traced
+  array (the same values and gradients either way).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import read_as
+    >>> read_as(jnp.ones(2), jnp.bfloat16).dtype
+    dtype(bfloat16)
+  """
+  if (getattr(_active, "found", None) is None or not isinstance(x, jax.core.Tracer)
+      or not is_floating_array(x)):
+    return cast_floating(x, dtype)
+  dtype = np.dtype(dtype)
+  if not _floating_dtype(dtype) or dtype.itemsize >= x.dtype.itemsize:
+    return cast_floating(x, dtype)
+  return _recorded_narrowing(x, (np.dtype(x.dtype), dtype))

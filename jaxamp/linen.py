@@ -85,7 +85,7 @@ import numpy as np
 from flax.core.scope import union_filters
 
 from jaxamp import fp8 as fp8_lib
-from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype
+from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -225,7 +225,7 @@ def _cast_module_params(tree: Any, policies: Mapping[Path, Policy],
       out[key] = value if sub in skip else _cast_module_params(value, policies, dtype_of,
                                                                sub, skip)
     elif policy is not None:
-      out[key] = cast_floating(value, dtype_of(policy))
+      out[key] = read_as(value, dtype_of(policy))
     else:
       out[key] = value
   return flax.core.freeze(out) if isinstance(tree, flax.core.FrozenDict) else out

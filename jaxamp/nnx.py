@@ -89,7 +89,8 @@ from flax import nnx
 from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importable)
 from flax.nnx import graph as _graph
 
-from jaxamp.casting import cast_floating, cast_leaf, is_floating_array, is_floating_dtype
+from jaxamp.casting import (cast_floating, cast_leaf, is_floating_array, is_floating_dtype,
+                             read_as)
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp import fp8 as fp8_lib
@@ -424,7 +425,7 @@ def _cast_hook(dtype: np.dtype) -> Callable[[Any, Any], Any]:
   if hook is None:
     def hook(variable, value, dtype=dtype):
       del variable
-      return cast_floating(value, dtype)
+      return read_as(value, dtype)
     hook.__name__ = hook.__qualname__ = f"jaxamp_read_as_{dtype.name}"
     hook = _hooks.setdefault(dtype, hook)
   return hook

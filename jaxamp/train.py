@@ -66,7 +66,7 @@ from flax.core import meta as flax_meta
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import cast_floating, is_floating_array
+from jaxamp.casting import NarrowCotangents, cast_floating, is_floating_array, narrow_cotangents
 from jaxamp.clipping import GLOBAL_NORM, KnownNorm
 from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
@@ -353,6 +353,21 @@ def _mean_floats(tree: Any, axes: Any) -> Any:
   """Inside ``shard_map``: floating leaves averaged over ``axes``, the rest as they are."""
   return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
                       if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
+
+
+def _held(grad: Any, opt_grad: Any, found: NarrowCotangents | None
+          ) -> tuple[Any, np.dtype | None]:
+  """What the skip's cond holds for one gradient: ``(narrow, dtype)``, the gradient as
+  narrow as it was computed and the dtype ``grad`` has (the branch widens it to that and
+  on as ``opt_grad`` was made), or ``(opt_grad, None)`` where nothing narrower exists."""
+  if not is_floating_array(grad):
+    return opt_grad, None
+  narrow = found.narrow(grad) if found is not None else None
+  if narrow is not None:
+    return narrow, np.dtype(grad.dtype)
+  if opt_grad is not grad and np.dtype(grad.dtype).itemsize < np.dtype(opt_grad.dtype).itemsize:
+    return grad, np.dtype(grad.dtype)
+  return opt_grad, None
 
 
 def _flat_cond(pred: jax.Array, true_fn: Callable[[Any], Any],
@@ -1051,20 +1066,47 @@ class TrainStep:
     scale = (jnp.ones([], _F32) if self._unit_scale
              else _ls.get_loss_scale(state.opt_state))
     step_rng = self._step_key(state) if self._adapter.uses_rng else state.rng
-    grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
-    # What the optimizer receives: float32 for master weights, else each param's dtype.
-    opt_grads = cast_floating(grads, _F32) if self.master_weights else grads
+    # Without accumulation (a float32 sum over micro-batches) or a mesh (a pmean), the
+    # float32 gradient of a parameter read once in half precision is that read's
+    # cotangent widened; narrow_cotangents finds those for the skip's cond below.
+    narrowable = self.skips_nonfinite and self.mesh is None and self.grad_accum_steps == 1
+    with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
+      grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
+    unit = None if self._unit_scale else scale
+
+    def received(grads: Any) -> Any:
+      # What the optimizer receives (unscaled): float32 for master weights, else each
+      # parameter's dtype.
+      return cast_floating(grads, _F32) if self.master_weights else grads
+
     # One reduction gives the metric and the verdict (a finite float32 global norm: every
     # element finite, and no norm past float32's range, which no update could use);
     # the update then runs only on a finite step (lax.cond, not a select over every
     # parameter and optimizer leaf: a skipped step must leave them bit-identical, and a
     # select keeps old and new copies of everything alive).
-    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(
-        opt_grads, None if self._unit_scale else scale)
+    opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(received(grads), unit)
+    # The cond holds each gradient as narrow as it was computed and widens (and unscales)
+    # it inside the branch, as a step without the skip does in its update: a float32
+    # gradient that is a half-precision cotangent widened crosses as that cotangent, and
+    # a half-precision gradient before its cast to float32 master weights. The same
+    # values, half the bytes, and the widening fused into the update, where a float32
+    # copy of each such gradient was written ahead of the branch and read back in it.
+    held, widened = zip(*(_held(g, o, found) for g, o in zip(jax.tree.leaves(grads),
+                                                             jax.tree.leaves(opt_grads))))
+    opt_treedef = jax.tree.structure(opt_grads)
+
+    def unpack(held: list[Any]) -> Any:
+      # In the branch: each held gradient back as the optimizer receives it.
+      wide = [received(h.astype(dtype)) if dtype is not None else h
+              for h, dtype in zip(held, widened)]
+      wide = [w if dtype is None or unit is None else _ls.unscale(w, unit)
+              for w, dtype in zip(wide, widened)]
+      return opt_treedef.unflatten(wide)
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
-      state, opt_grads, grad_norm, model_state, fp8 = operands
+      state, held, grad_norm, model_state, fp8 = operands
+      opt_grads = unpack(held)
       # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
       # with a second one computed inside this branch).
       known_norm = KnownNorm.of(opt_grads, grad_norm)
@@ -1081,16 +1123,16 @@ class TrainStep:
 
     def skip(operands):
       # Only the loss scale moves (it backs off); the rest of the state is kept.
-      state, opt_grads = operands[:2]
+      state, held = operands[:2]
       if self._overflow is not None:
         opt_state = jax.tree.map(
             lambda s: self._overflow(s) if isinstance(s, _ls.LossScaleState) else s,
             state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
       else:
-        opt_state, _ = self._update(state, opt_grads, finite=False)
+        opt_state, _ = self._update(state, unpack(held), finite=False)
       return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
 
-    operands = (state, opt_grads, grad_norm, model_state, fp8)
+    operands = (state, list(held), grad_norm, model_state, fp8)
     if self.skips_nonfinite:
       outs = _flat_cond(grads_finite, apply, skip, operands)
     else:

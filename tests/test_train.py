@@ -429,6 +429,87 @@ def test_grad_norm_is_norm_of_unscaled_gradients():
   assert float(metrics["loss_scale"]) == 256.0
 
 
+class NNXTied(nnx.Module):
+  """l1 and l3 read once; l2 twice (its gradients are sums of two float32 cotangents)."""
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.l2 = nnx.Linear(16, 16, rngs=rngs)
+    self.l3 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l3(self.l2(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x))))))
+
+
+class LinenTied(nn.Module):
+  def setup(self):
+    self.l1, self.l2, self.l3 = nn.Dense(16), nn.Dense(16), nn.Dense(4)
+
+  def __call__(self, x):
+    return self.l3(self.l2(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x))))))
+
+
+def _half_cond_operands(train, state, batch):
+  """{shape: how many of the skip's cond operands of that shape are float16/bfloat16}."""
+  cond, = [e for e in train.trace(state, batch).jaxpr.eqns if e.primitive.name == "cond"]
+  counts = {}
+  for v in cond.invars[1:]:
+    if v.aval.dtype in (jnp.bfloat16, jnp.float16):
+      counts[v.aval.shape] = counts.get(v.aval.shape, 0) + 1
+  return counts
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "bfloat16"])
+def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
+    api, policy, monkeypatch):
+  # The exact skip's lax.cond holds a parameter's gradient in half precision where that
+  # loses nothing (a float32 parameter read once in half precision; a half-precision
+  # parameter with master weights) and widens it inside the branch: no float32 copy of
+  # those gradients is written ahead of it. The steps are the same bits as holding every
+  # gradient in float32 (the old program, patched back in), skips included, once XLA
+  # rounds as the program says (without excess precision, the old program could keep a
+  # float32 dot's bits past the bfloat16 rounding of a gradient, as the step without a
+  # skip cannot).
+  def run(patched):
+    with monkeypatch.context() as m:
+      if patched:
+        m.setattr(jaxamp.train, "_held", lambda grad, opt_grad, found: (opt_grad, None))
+      # SGD by a power of two: each update is its gradient's bits, however XLA fuses it.
+      train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-4), policy=policy,
+                                     donate=False)
+      if api == "nnx":
+        state = train.init(NNXTied(nnx.Rngs(0)))
+      else:
+        x = jnp.zeros((2, 8))
+        state = train.init(LinenTied(), LinenTied().init(jax.random.key(0), x), x)
+      batches = make_batches(4)
+      batches[2]["x"][0, 0] = np.inf  # a skipped step
+      held = _half_cond_operands(train, state, batches[0])
+      step = train.trace(state, batches[0]).lower().compile(
+          {"xla_allow_excess_precision": False})
+      out = []
+      for b in batches:
+        state, metrics = step(state, b)
+        out.append((state, bool(metrics["grads_finite"])))
+      return held, out
+
+  held, new = run(patched=False)
+  old_held, old = run(patched=True)
+  # Gradients held in half precision: new half operands beyond the old program's (which
+  # has the bfloat16 parameters themselves, and no half gradient).
+  grads_held = {k: n - old_held.get(k, 0) for k, n in held.items() if n > old_held.get(k, 0)}
+  every = {(8, 16): 1, (16, 16): 1, (16, 4): 1, (16,): 2, (4,): 1}
+  once = {(8, 16): 1, (16, 4): 1, (16,): 1, (4,): 1}  # all but NNX's l2, read twice
+  # Linen casts a module's parameters once for all its calls (JAX sums l2's cotangents
+  # in half precision either way); master weights get gradients computed in half.
+  assert grads_held == (once if api == "nnx" and policy != "bfloat16" else every)
+  assert [f for _, f in new] == [f for _, f in old] == [True, True, False, True]
+  for (a, _), (b, _) in zip(new, old):
+    assert_trees_equal((a.params, a.opt_state), (b.params, b.opt_state))
+  assert_trees_equal(new[2][0].params, new[1][0].params)  # the skipped step
+
+
 def test_master_weights_for_half_params():
   # A step of 1e-4 on weights near 1 vanishes in bfloat16 (spacing 2**-7) unless float32
   # master weights accumulate it.
