@@ -65,6 +65,7 @@ from flax import nnx
 from flax.core import meta as flax_meta
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import nnx as amp_nnx
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import NarrowCotangents, cast_floating, is_floating_array, narrow_cotangents
 from jaxamp.clipping import GLOBAL_NORM, KnownNorm
@@ -147,29 +148,23 @@ def _is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-class _Float32Outputs:
-  """Calls a policy-wrapped model and hands its floating outputs over in float32."""
+class _Float32Outputs(amp_nnx.PolicyModule):
+  """The model an NNX ``loss_fn`` receives: a policy wrapper (an ``nnx.Module``, so
+  ``nnx.state``, ``nnx.split`` and ``nnx.merge`` see the model's Variables) whose calls
+  and public methods hand their floating outputs over in float32. Submodules reached
+  through it run under the policy and return their own dtypes."""
 
-  def __init__(self, model: Any):
-    self.module = model
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return cast_floating(self.module(*args, **kwargs), _F32)
-
-  def __getattr__(self, name: str) -> Any:
-    # Submodules and methods come from the policy wrapper, so they run under the policy;
-    # only the model's own outputs are handed over in float32.
-    attr = getattr(self.module, name)
-    if isinstance(attr, functools.partial) or inspect.ismethod(attr):
-      return lambda *a, **k: cast_floating(attr(*a, **k), _F32)
-    return attr
+  def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    return cast_floating(super()._call(name, *args, **kwargs), _F32)
 
   def __getitem__(self, key: Any) -> Any:
-    if not hasattr(self.module.module, "__getitem__"):
+    model = self.module
+    if not hasattr(model, "__getitem__"):
       raise TypeError(f"loss_fn indexed the model with {key!r}, as if it were the batch: "
                       "loss_fn is called as loss_fn(model, batch). Are its arguments "
                       "swapped?")
-    return self.module[key]
+    item = model[key]  # under the policy, as the submodules reached as attributes
+    return amp_nnx._SubmoduleView(self, item) if isinstance(item, nnx.Module) else item
 
 
 _LOSS_FN_HINT = ("jaxamp calls loss_fn(model, batch): model is the model running under its "
@@ -262,7 +257,6 @@ class _NNXAdapter:
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
     del rng  # NNX models carry their RNG streams in model_state
-    from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
 
     # merge() reuses the State's Variable objects; rebuilding them here puts them at this
     # trace level, so the model may update BatchNorm statistics and RNG counts under grad.
@@ -271,8 +265,8 @@ class _NNXAdapter:
     fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
     if not train:
       model.eval()
-    wrapped = amp_nnx.with_policy(model, policy, recompute_norms=self.recompute_norms)
-    view = _Float32Outputs(wrapped) if float32_outputs else wrapped
+    kind = _Float32Outputs if float32_outputs else amp_nnx.PolicyModule
+    view = kind(model, policy, recompute_norms=self.recompute_norms)
     return view, lambda: nnx.split(model, nnx.Param, ...)[2]
 
   def model(self, state: TrainState) -> nnx.Module:
@@ -612,7 +606,6 @@ class TrainStep:
       The train state (replicated over the mesh, if any).
     """
     from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
-    from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
 
     if isinstance(model, (amp_nnx.PolicyModule, amp_linen.LinenPolicy)):
       if model.policy is not None and model.policy != self.policy:

@@ -510,6 +510,31 @@ def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
   assert_trees_equal(new[2][0].params, new[1][0].params)  # the skipped step
 
 
+@pytest.mark.parametrize("float32_outputs", [True, False])
+def test_an_nnx_loss_fn_can_take_the_models_state(float32_outputs):
+  # The model loss_fn receives is an nnx.Module holding the model: nnx.state finds its
+  # parameters (an L2 term), and a jax.jvp over nnx.split's state reaches them. Before,
+  # with float32 outputs, the first raised and the second was silently 0.
+  x = make_batches(1)[0]["x"]
+
+  def l2(model, batch):
+    return sum(jnp.sum(p.astype(jnp.float32) ** 2)
+               for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+  def directional(model, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(batch["x"]).astype(jnp.float32))
+    return jax.jvp(f, (params,), (jax.tree.map(jnp.ones_like, params),))[1]
+
+  plain = NNXNet(nnx.Rngs(0, dropout=1), batchnorm=False)
+  for fn in (l2, directional):
+    train = jaxamp.make_train_step(fn, optax.sgd(0.0), policy="float32",
+                                   float32_outputs=float32_outputs)
+    _, metrics = train.step(init(train, "nnx", batchnorm=False), {"x": x})
+    np.testing.assert_allclose(float(metrics["loss"]), float(fn(plain, {"x": x})),
+                               rtol=1e-5)
+
+
 def test_master_weights_for_half_params():
   # A step of 1e-4 on weights near 1 vanishes in bfloat16 (spacing 2**-7) unless float32
   # master weights accumulate it.
