@@ -579,6 +579,9 @@ class TrainStep:
     self._expected: Any = None
     self._last_state: Any = None
     self.trace_count = 0
+    # Parameter reads record their half-precision cotangents (casting.narrow_cotangents)
+    # until a loss_fn turns out to take forward-mode derivatives over the parameters.
+    self._narrow_reads = True
 
   # -- setup --
 
@@ -795,7 +798,8 @@ class TrainStep:
     """One training step; compiled once per batch shape. Donates ``state`` by default."""
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.step(...).")
-    new_state, metrics = self._step_jit(self._accepted(state), batch)
+    state = self._accepted(state)
+    new_state, metrics = self._plain_reads_if_needed(lambda: self._step_jit(state, batch))
     self._last_state = new_state
     if self._streaks is not None:
       self._streaks.observe(metrics)
@@ -828,6 +832,11 @@ class TrainStep:
       >>> [e.primitive.name for e in traced.jaxpr.eqns].count('cond')  # the exact skip
       1
       >>> compiled = traced.lower().compile()
+
+    A ``loss_fn`` that takes ``jax.jvp`` with respect to the parameters under a mixed
+    policy gives a trace whose ``.lower()`` fails (the parameter reads record their
+    cotangents with a ``custom_vjp``); :meth:`lower` and :meth:`step` make the step again
+    without them.
     """
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.trace(...).")
@@ -850,8 +859,26 @@ class TrainStep:
       >>> 'bf16' in text and 'dot_general' in text
       True
     """
-    traced = self.trace(state, batch)
-    return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
+    def lower() -> Any:
+      traced = self.trace(state, batch)
+      return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
+
+    return self._plain_reads_if_needed(lower)
+
+  def _plain_reads_if_needed(self, run: Callable[[], Any]) -> Any:
+    """``run()``; if it fails because ``loss_fn`` takes a forward-mode derivative
+    (``jax.jvp``) with respect to the parameters, which a recording read's
+    ``custom_vjp`` cannot take (JAX says so when it lowers the step), the step is made
+    again with plain reads (every gradient then crosses the skip in float32) and
+    ``run()`` runs once more. Nothing was donated: lowering failed before any run."""
+    try:
+      return run()
+    except TypeError as e:
+      if not self._narrow_reads or "forward-mode autodiff (jvp) to a custom_vjp" not in str(e):
+        raise
+    self._narrow_reads = False
+    self._compile()
+    return run()
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
@@ -1062,7 +1089,8 @@ class TrainStep:
     # Without accumulation (a float32 sum over micro-batches) or a mesh (a pmean), the
     # float32 gradient of a parameter read once in half precision is that read's
     # cotangent widened; narrow_cotangents finds those for the skip's cond below.
-    narrowable = self.skips_nonfinite and self.mesh is None and self.grad_accum_steps == 1
+    narrowable = (self._narrow_reads and self.skips_nonfinite and self.mesh is None
+                  and self.grad_accum_steps == 1)
     with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
       grads, loss, aux, model_state, fp8 = self._grads(state, batch, scale, step_rng)
     unit = None if self._unit_scale else scale
@@ -1088,13 +1116,15 @@ class TrainStep:
                                                              jax.tree.leaves(opt_grads))))
     opt_treedef = jax.tree.structure(opt_grads)
 
+    def widen(held: Any, dtype: np.dtype | None) -> Any:
+      if dtype is None:  # held as the optimizer receives it
+        return held
+      wide = received(held.astype(dtype))
+      return wide if unit is None else _ls.unscale(wide, unit)
+
     def unpack(held: list[Any]) -> Any:
       # In the branch: each held gradient back as the optimizer receives it.
-      wide = [received(h.astype(dtype)) if dtype is not None else h
-              for h, dtype in zip(held, widened)]
-      wide = [w if dtype is None or unit is None else _ls.unscale(w, unit)
-              for w, dtype in zip(wide, widened)]
-      return opt_treedef.unflatten(wide)
+      return opt_treedef.unflatten([widen(h, d) for h, d in zip(held, widened)])
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
