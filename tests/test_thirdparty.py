@@ -214,6 +214,49 @@ def test_gpt2_linen_trains_like_float32_and_skips_exactly(gpt2_variables):
     np.testing.assert_array_equal(a, b)
 
 
+def test_gpt2_skip_holds_half_gradients_and_steps_as_the_float32_held_program(
+    gpt2_variables, monkeypatch):
+  # Hugging Face's GPT-2 (tied input/output embedding, fused QKV, float32 LayerNorms):
+  # under mixed_bfloat16 the skip's cond holds most gradients in bfloat16, and the steps
+  # are the bits of the program that held them all in float32 (patched back in), once
+  # XLA rounds as the program says; SGD by a power of two, an overflow at step 3.
+  module, ids = gpt2_module(), token_ids()
+
+  def loss_fn(apply, batch):
+    ids, scale = batch
+    return gpt2_apply_loss(apply, ids) * scale
+
+  def run(patched):
+    with monkeypatch.context() as m:
+      if patched:
+        m.setattr(jaxamp.train, "_held", lambda grad, opt_grad, found: (opt_grad, None))
+      train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-6), policy="mixed_bfloat16",
+                                     donate=False)
+      state = train.init(module, gpt2_variables, *gpt2_inputs(ids))
+      batch = (ids, jnp.float32(1.0))
+      traced = train.trace(state, batch)
+      cond, = [e for e in traced.jaxpr.eqns if e.primitive.name == "cond"]
+      half = sum(v.aval.dtype == jnp.bfloat16 for v in cond.invars[1:])
+      step = traced.lower().compile({"xla_allow_excess_precision": False})
+      states = []
+      for scale in (1.0, 1.0, np.inf, 1.0):
+        state, _ = step(state, (ids, jnp.float32(scale)))
+        states.append(state.params)
+      return half, states
+
+  (half, new), (old_half, old) = run(False), run(True)
+  # Every gradient but the float32 LayerNorms' (embeddings, tied wte included, kernels,
+  # biases): each is read once in bfloat16 (Linen casts a module's parameters once).
+  paths = jax.tree_util.tree_flatten_with_path(gpt2_variables["params"])[0]
+  assert old_half == 0
+  assert half == sum("ln_" not in jax.tree_util.keystr(p) for p, _ in paths) == 18
+  for a, b in zip(new, old):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for x, y in zip(jax.tree.leaves(new[2]), jax.tree.leaves(new[1])):  # the skipped step
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_gpt2_nnx_trains_like_float32():
   ids = token_ids()
   model = bridged(gpt2_module(), *gpt2_inputs(ids))
