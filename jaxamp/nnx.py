@@ -735,9 +735,20 @@ class PolicyModule(nnx.Module):
     value = getattr(model, name)
     if inspect.ismethod(value) and value.__self__ is model:
       return functools.partial(self._call, name)
-    if isinstance(value, nnx.Module):
-      return _SubmoduleView(self, value)
-    return value
+    return self._view(value)
+
+  def __getitem__(self, key: Any) -> Any:
+    # Python looks dunder methods up on the class, past __getattr__: forward indexing
+    # (an nnx.List or nnx.Dict model, or one defining __getitem__) explicitly.
+    model = vars(self).get("module")
+    if not hasattr(model, "__getitem__"):
+      raise TypeError(f"{type(model).__name__} (wrapped by with_policy) cannot be indexed: "
+                      "it defines no __getitem__.")
+    return self._view(model[key])
+
+  def _view(self, value: Any) -> Any:
+    """``value`` itself, or a view running under the policies if it is a submodule."""
+    return _SubmoduleView(self, value) if isinstance(value, nnx.Module) else value
 
 
 class _SubmoduleView:
@@ -756,9 +767,6 @@ class _SubmoduleView:
     with _applied(root.module, _Call(root._model_policy(), root.recompute_norms)):
       return getattr(self._module, name)(*args, **kwargs)
 
-  def _wrap(self, value: Any) -> Any:
-    return _SubmoduleView(self._root, value) if isinstance(value, nnx.Module) else value
-
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self._run("__call__", args, kwargs)
 
@@ -768,13 +776,13 @@ class _SubmoduleView:
     value = getattr(self._module, name)
     if inspect.ismethod(value) and value.__self__ is self._module:
       return lambda *args, **kwargs: self._run(name, args, kwargs)
-    return self._wrap(value)
+    return self._root._view(value)
 
   def __getitem__(self, key: Any) -> Any:
-    return self._wrap(self._module[key])
+    return self._root._view(self._module[key])
 
   def __iter__(self) -> Any:
-    return (self._wrap(m) for m in self._module)
+    return (self._root._view(m) for m in self._module)
 
   def __len__(self) -> int:
     return len(self._module)

@@ -158,13 +158,11 @@ class _Float32Outputs(amp_nnx.PolicyModule):
     return cast_floating(super()._call(name, *args, **kwargs), _F32)
 
   def __getitem__(self, key: Any) -> Any:
-    model = self.module
-    if not hasattr(model, "__getitem__"):
+    if not hasattr(self.module, "__getitem__"):
       raise TypeError(f"loss_fn indexed the model with {key!r}, as if it were the batch: "
                       "loss_fn is called as loss_fn(model, batch). Are its arguments "
                       "swapped?")
-    item = model[key]  # under the policy, as the submodules reached as attributes
-    return amp_nnx._SubmoduleView(self, item) if isinstance(item, nnx.Module) else item
+    return super().__getitem__(key)  # a submodule runs under the policy, as attributes do
 
 
 _LOSS_FN_HINT = ("jaxamp calls loss_fn(model, batch): model is the model running under its "

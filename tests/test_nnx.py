@@ -634,6 +634,19 @@ def test_submodules_reached_through_the_wrapper_run_under_the_policy():
   assert model.head(x).dtype == jnp.float32  # the model itself is untouched
 
 
+def test_an_indexable_model_is_indexed_through_the_wrapper_under_the_policy():
+  layers = nnx.List([nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(2)])
+  amp = jaxamp.nnx.with_policy(layers, "mixed_bfloat16")
+  x = jnp.ones((2, 8))
+  assert amp[0](x).dtype == jnp.bfloat16 and amp[1].kernel.get_value().dtype == jnp.float32
+  with jaxamp.policy_rules({"1": "float32"}):  # the view's paths count from the root
+    assert (amp[0](x).dtype, amp[1](x).dtype) == (jnp.bfloat16, jnp.float32)
+  assert layers[0](x).dtype == jnp.float32
+  plain = jaxamp.nnx.with_policy(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+  with pytest.raises(TypeError, match="Linear .wrapped by with_policy. cannot be indexed"):
+    plain[0]  # pylint: disable=pointless-statement
+
+
 def test_module_walk_matches_iter_graph():
   """The wrapper's own module walk (it runs on every call; nnx.iter_graph also walks
   every Variable) yields exactly iter_graph's modules: same paths, order, sharing."""
