@@ -18,8 +18,10 @@ the model-level policy). Inside a module whose compute dtype is ``c``:
 - floating outputs are cast to the policy's output dtype;
 - every floating Variable keeps its stored dtype (an in-call update written in another
   dtype is cast back): BatchNorm's ``BatchStat`` stays float32 and, computed in float32
-  by default, is updated in float32; an attention decoding ``nnx.Cache`` is read in
-  ``c`` like a parameter and stays in the dtype ``init_cache`` gave it.
+  by default, is updated in float32; ``nnx.MultiHeadAttention``'s decoding ``nnx.Cache``
+  is read in ``c`` like a parameter and stays in the dtype ``init_cache`` gave it. Any
+  other ``nnx.Cache`` (a running sum, a recurrent state your module keeps) is read and
+  updated in its stored dtype: a float32 one accumulates in float32.
 
 Some built-in layers get targeted treatment:
 
@@ -364,9 +366,18 @@ def _cast_values(tree: Any, dtype: np.dtype) -> Any:
                       is_leaf=_is_node)
 
 
-# Variables read in the compute dtype: parameters, and attention's decoding cache (which
-# is updated with computed keys and values; it keeps its stored dtype).
-_READ_AS_COMPUTE = (nnx.Param, nnx.Cache)
+# Variables read in the compute dtype: parameters, and the decoding cache of the attention
+# layers (they write computed keys and values into it; it keeps its stored dtype). Any
+# other nnx.Cache is state a module accumulates (a running sum, a recurrent state): read in
+# the compute dtype, a float32 one would be updated in half precision, so it is read, and
+# updated, in its stored dtype, as BatchStat is.
+_READ_AS_COMPUTE = (nnx.Param,)
+_CACHE_READ_AS_COMPUTE = (nnx.MultiHeadAttention,)
+
+
+def _reads_as_compute(module: nnx.Module, variable: nnx.Variable) -> bool:
+  return isinstance(variable, _READ_AS_COMPUTE) or (
+      isinstance(variable, nnx.Cache) and isinstance(module, _CACHE_READ_AS_COMPUTE))
 
 # Modules that only hold things: a Param in a module's nnx.List is that module's.
 _CONTAINERS = (nnx.List, nnx.Dict)
@@ -587,7 +598,7 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
     for variable in _owned_variables(module):
       _keep_dtype(variable, undo)
       # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
-      if not gather and not bridged and isinstance(variable, _READ_AS_COMPUTE):
+      if not gather and not bridged and _reads_as_compute(module, variable):
         _read_as(variable, compute, undo)
     if bridged:
       _set_attr(module, "to_nnx__module",

@@ -588,6 +588,28 @@ def test_attention_decoding_cache_keeps_its_dtype():
   close(layer.cached_value[...], ref.cached_value[...], LAYER_TOL[BF16])
 
 
+def test_a_cache_the_module_accumulates_into_keeps_its_dtype_while_computing():
+  class Running(nnx.Module):  # a float32 running sum and count, as a streaming decoder keeps
+    def __init__(self):
+      self.proj = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      self.total = nnx.Cache(jnp.zeros((4,), F32))
+      self.count = nnx.Cache(jnp.zeros((), F32))
+
+    def __call__(self, x):
+      self.total[...] = self.total[...] + self.proj(x).sum(0)
+      self.count[...] = self.count[...] + x.shape[0]
+      return self.total[...] / self.count[...]
+
+  x = jnp.ones((1, 4))
+  for policy in ("mixed_bfloat16", "mixed_float16"):
+    model = Running()
+    amp, step = with_policy(model, policy), nnx.jit(lambda m, x: m(x))
+    for _ in range(2100):  # a half count stalls: at 256 in bfloat16, at 2048 in float16
+      out = step(amp, x)
+    assert float(model.count[...]) == 2100.0 and model.total.dtype == F32
+    close(model.total[...] / 2100, Running().proj(x)[0], LAYER_TOL[np.dtype(out.dtype)])
+
+
 def test_half_dot_product_attention_matches_flax():
   # Grouped-query (4 query heads, 2 key/value heads), a mask, a bias and causality.
   is_causal = True
