@@ -347,6 +347,28 @@ def _mean_floats(tree: Any, axes: Any) -> Any:
                       if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
 
 
+def _combine_aux(tree: Any, over_axis: int | None = None, over_devices: Any = None) -> Any:
+  """``loss_fn``'s aux over micro-batches (stacked on ``over_axis``) or, inside
+  ``shard_map``, over the batch's ``over_devices`` axes, as the whole batch's.
+
+  Floating leaves are averaged (a per-example mean stays a mean), integer leaves summed
+  (a count stays the batch's count), boolean leaves or-ed (a flag set by any part of the
+  batch); other leaves (PRNG keys) are the last micro-batch's, or each device's own.
+  """
+  def combine(a: Any) -> Any:
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      return (jnp.mean(a, axis=over_axis) if over_devices is None
+              else jax.lax.pmean(a, over_devices))
+    if jnp.issubdtype(a.dtype, jnp.bool_):
+      return (jnp.any(a, axis=over_axis) if over_devices is None
+              else jax.lax.pmax(a.astype(jnp.int32), over_devices).astype(jnp.bool_))
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      return (jnp.sum(a, axis=over_axis, dtype=a.dtype) if over_devices is None
+              else jax.lax.psum(a, over_devices))
+    return a[-1] if over_devices is None else a
+  return jax.tree.map(combine, tree)
+
+
 def _held(grad: Any, opt_grad: Any, found: NarrowCotangents | None
           ) -> tuple[Any, np.dtype | None]:
   """What the skip's cond holds for one gradient: ``(narrow, dtype)``, the gradient as
@@ -903,6 +925,11 @@ class TrainStep:
     with ``keep_float32``), and the new FP8 state (the cotangent of its histories
     carries the backward pass's amaxes)."""
     used: set[str] = set()  # FP8 modules that ran, known once traced
+    k = self.grad_accum_steps
+    # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
+    # k before scaling), so its float16 backward pass carries the values of the k=1 step's
+    # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
+    weight = scale if k == 1 else scale / k
 
     def scaled_loss(p, f8, ms, mb, key):
       with fp8_lib.state_scope(f8) as scope:
@@ -910,7 +937,7 @@ class TrainStep:
                                               float32_outputs=self.float32_outputs)
         loss, aux = _split_loss(self._call_user(self.loss_fn, model, mb), self.has_aux)
         used.update(scope.used if scope is not None else ())
-      return loss * scale, (loss, aux, new_state())
+      return loss * weight, (loss, aux, new_state())
 
     raw_grad_fn = jax.grad(self._autocast(scaled_loss), argnums=(0, 1), has_aux=True)
 
@@ -920,7 +947,6 @@ class TrainStep:
         f8 = fp8_lib.merge_state(f8, f8_cot, used, self._fp8_recipes)
       return g, f8, out
 
-    k = self.grad_accum_steps
     if k == 1:
       grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
       return grads, loss, aux, model_state, fp8
@@ -946,17 +972,16 @@ class TrainStep:
     # Accumulated in float32. Master weights take them so; otherwise they go on in each
     # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
     # trace).
-    grads = jax.tree.map(lambda a, p: (a / k).astype(
+    grads = jax.tree.map(lambda a, p: a.astype(
         _F32 if self.master_weights or keep_float32 else p.dtype), acc, params)
-    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact)
-                       else a[-1], auxes)
-    return grads, jnp.mean(losses), aux, model_state, fp8
+    return grads, jnp.mean(losses), _combine_aux(auxes, over_axis=0), model_state, fp8
 
   def _reduce(self, loss, aux, model_state):
     """Inside shard_map: the loss, aux and model state averaged over the batch axes (the
     floating leaves; counters and keys as they are)."""
     axes = self._batch_axes
-    return jax.lax.pmean(loss, axes), _mean_floats(aux, axes), _mean_floats(model_state, axes)
+    return (jax.lax.pmean(loss, axes), _combine_aux(aux, over_devices=axes),
+            _mean_floats(model_state, axes))
 
   def _grads(self, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
     if self.mesh is None:
@@ -1264,7 +1289,11 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       the metrics, anything else is under ``metrics['aux']``.
     grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
       scale updates once per step and the whole step is skipped if any micro-batch
-      overflows. Floating aux values are averaged over micro-batches.
+      overflows. Each micro-batch's loss is scaled by the loss scale over
+      ``grad_accum_steps`` (its float16 gradients are as large as without accumulation).
+      The aux of the micro-batches (and, with a mesh, of the devices) is combined into
+      the whole batch's: floating values averaged, integers summed (counts), booleans
+      or-ed (flags).
     mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
     batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
       their product, e.g. ``('data', 'fsdp')``).

@@ -397,6 +397,57 @@ def test_grad_accumulation_skips_whole_step_when_one_micro_batch_overflows():
   assert int(metrics["skipped_steps"]) == 1
 
 
+def counting_loss(model, batch):
+  """The loss, with a count, a flag and a mean of the batch as aux."""
+  logits = model(batch["x"])
+  right = logits.argmax(-1) == batch["y"]
+  return xent(logits, batch["y"]), {"n_right": jnp.sum(right), "rows": jnp.int32(len(right)),
+                                    "saw_3": jnp.any(batch["y"] == 3),
+                                    "accuracy": jnp.mean(right.astype(jnp.float32))}
+
+
+def test_grad_accumulation_combines_aux_as_the_whole_batch():
+  batch = make_batches(1, size=16)[0]
+  batch["y"][:] = np.where(batch["y"] == 3, 0, batch["y"])
+  batch["y"][1] = 3  # only the first micro-batch has a 3
+  aux = {}
+  for k in (1, 2, 4):
+    train = jaxamp.make_train_step(counting_loss, optax.sgd(0.0), policy="float32",
+                                   has_aux=True, grad_accum_steps=k)
+    _, metrics = train.step(init(train, "nnx", batchnorm=False), batch)
+    aux[k] = {name: np.asarray(metrics[name]) for name in ("n_right", "rows", "saw_3",
+                                                           "accuracy")}
+  assert int(aux[1]["rows"]) == 16 and bool(aux[1]["saw_3"])
+  for k in (2, 4):  # counts summed, flags or-ed, means averaged: the k=1 values
+    assert {n: v.dtype for n, v in aux[k].items()} == {n: v.dtype for n, v in aux[1].items()}
+    assert {n: aux[k][n].item() for n in ("n_right", "rows", "saw_3")} == {
+        n: aux[1][n].item() for n in ("n_right", "rows", "saw_3")}
+    np.testing.assert_allclose(aux[k]["accuracy"], aux[1]["accuracy"], rtol=1e-6)
+
+
+def test_grad_accumulation_scales_each_micro_batch_so_float16_overflows_no_sooner():
+  """Each micro-batch's loss is scaled by scale / k: its float16 gradients are the size of
+  the k=1 step's. Scaled by the full scale, k=4 overflowed where k=1 did not."""
+  class Wide(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.full((8, 4), 2.0, jnp.float32))
+
+    def __call__(self, x):
+      return x @ self.w[...]
+
+  batch = {"x": np.full((16, 8), 2.0**-4, np.float32)}
+  loss = lambda m, b: jnp.mean(m(b["x"]))  # over 16 x 4 outputs; d/dw = x / 4 = 2**-6
+  # The output's cotangent is the scale over the outputs a loss averages: 2**20 / 64 =
+  # 2**14 at k=1. Scaled by the full 2**20, a micro-batch of 4 rows would give 2**20 / 16,
+  # past float16's 65504; by 2**20 / 4 it gives 2**14 again.
+  for k in (1, 4):
+    tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**20), optax.sgd(2.0**-4))
+    train = jaxamp.make_train_step(loss, tx, policy="mixed_float16", grad_accum_steps=k)
+    state, metrics = train.step(train.init(Wide()), batch)
+    assert bool(metrics["grads_finite"]), k
+    np.testing.assert_array_equal(state.params["w"][...], np.full((8, 4), 2.0 - 2.0**-10))
+
+
 def test_grad_accumulation_needs_divisible_batch():
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=3)
   state = init(train, "nnx", batchnorm=False)
@@ -638,6 +689,19 @@ _MESH_SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(a, b, rtol=atol, atol=atol)
       np.testing.assert_allclose(out['single'][1], out['mesh'][1], rtol=10 * atol)
       assert out['single'][2] == out['mesh'][2]
+
+    # Aux over devices and micro-batches: counts summed, flags or-ed, as the whole batch's.
+    from test_train import counting_loss
+    b = dict(batches[0], y=np.where(batches[0]['y'] == 3, 0, batches[0]['y']))
+    b['y'][5] = 3  # one device's first micro-batch
+    auxes = []
+    for kw in ({{}}, dict(mesh=mesh, grad_accum_steps=2)):
+      train = jaxamp.make_train_step(counting_loss, optax.sgd(0.0), policy='float32',
+                                     has_aux=True, **kw)
+      _, m = train.step(init(train, 'nnx', batchnorm=False), b)
+      auxes.append((int(m['n_right']), int(m['rows']), bool(m['saw_3']),
+                    round(float(m['accuracy']), 6)))
+    assert auxes[0] == auxes[1] and auxes[0][1:3] == (32, True), auxes
 
     # NNX dropout: every device draws its own masks (one example per device here).
     import jax.numpy as jnp
