@@ -394,6 +394,25 @@ def test_select_tree():
 # --- helpers ----------------------------------------------------------------------------
 
 
+def test_a_schedule_inside_skip_nonfinite_does_not_advance_on_a_skipped_step():
+  """inject_hyperparams keeps its own count, what its schedules read: inside
+  skip_nonfinite a skipped step leaves it; outside, it advances (as the README says)."""
+  schedule = optax.linear_schedule(1.0, 0.0, 10)
+  inner = lambda lr: optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0), optax.sgd(lr))
+  injected = lambda: optax.inject_hyperparams(inner)(lr=schedule)
+  params = {"w": jnp.ones(2)}
+  counts = {}
+  for name, opt, injected_state in [
+      ("skip(inject)", jaxamp.skip_nonfinite(injected()), lambda s: s.inner_state),
+      ("inject(skip)", optax.inject_hyperparams(
+          lambda lr: jaxamp.skip_nonfinite(inner(lr)))(lr=schedule), lambda s: s)]:
+    state = opt.init(params)
+    for g in (1.0, np.inf, 1.0):
+      _, state = opt.update({"w": jnp.full(2, g)}, state, params)
+    counts[name] = int(injected_state(state).count)
+  assert counts == {"skip(inject)": 2, "inject(skip)": 3}
+
+
 def _nested_states():
   params = {"w": jnp.ones(2)}
   chain = lambda: optax.chain(jaxamp.dynamic_loss_scale(initial_scale=64.0), optax.adam(1e-3))
