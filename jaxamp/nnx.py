@@ -115,6 +115,9 @@ POLICY_METHODS: dict[type, tuple[str, ...]] = {
 }
 
 _POLICY_ATTR = "_jaxamp_policy"
+# In a census run, each module's scope number: an attribute, not a lookup by id, because
+# the modules NNX transforms re-create inside a call (nnx.scan, nnx.vmap) carry it along.
+_SCOPE_ATTR = "_jaxamp_scope"
 _MISSING = object()
 
 
@@ -605,9 +608,10 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
                 _linen_under(vars(module)["to_nnx__module"], policy,
                              _state.calls[-1].recompute_norms), undo)
       # ToNNX turns every other attribute into a Linen collection: hide the policy.
-      if _POLICY_ATTR in vars(module):
-        saved = vars(module).pop(_POLICY_ATTR)
-        undo.append(lambda: object.__setattr__(module, _POLICY_ATTR, saved))
+      for attr in (_POLICY_ATTR, _SCOPE_ATTR):
+        if attr in vars(module):
+          saved = vars(module).pop(attr)
+          undo.append(functools.partial(object.__setattr__, module, attr, saved))
     attrs = vars(module)
     if "dtype" in attrs and (attrs["dtype"] is None or is_floating_dtype(attrs["dtype"])):
       # A gather looks rows up in the stored dtype: None makes Embed skip its cast.
@@ -623,8 +627,9 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
         return _recomputed(module, fn, compute, args, kwargs)
       return fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
 
-    if call.scopes is not None and id(module) in call.scopes:  # a census run
-      with jax.named_scope(scope_name(call.scopes[id(module)])):
+    scope = vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None
+    if scope is not None:  # a census run
+      with jax.named_scope(scope_name(scope)):
         out = run()
     else:
       out = run()
@@ -646,10 +651,13 @@ def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
   pushed = False
   try:
     for path, node, node_policy in _resolve(model, call.policy):
-      saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING)))
-      if call.scopes is not None and id(node) not in call.scopes:
-        call.scopes[id(node)] = len(call.names)
-        call.names.append(path_name(path))
+      saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING),
+                    vars(node).get(_SCOPE_ATTR, _MISSING)))
+      if call.scopes is not None:
+        if id(node) not in call.scopes:
+          call.scopes[id(node)] = len(call.names)
+          call.names.append(path_name(path))
+        object.__setattr__(node, _SCOPE_ATTR, call.scopes[id(node)])
       # A nested wrapper resolves its own model; containers have no method to wrap.
       if not isinstance(node, PolicyModule) and _methods_for(_base_class(type(node))):
         object.__setattr__(node, "__class__", _policy_class(_base_class(type(node))))
@@ -660,12 +668,13 @@ def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
   finally:
     if pushed:
       _state.calls.pop()
-    for node, cls, old in reversed(saved):
+    for node, cls, *olds in reversed(saved):
       object.__setattr__(node, "__class__", cls)
-      if old is _MISSING:
-        vars(node).pop(_POLICY_ATTR, None)
-      else:
-        object.__setattr__(node, _POLICY_ATTR, old)
+      for attr, old in zip((_POLICY_ATTR, _SCOPE_ATTR), olds):
+        if old is _MISSING:
+          vars(node).pop(attr, None)
+        else:
+          object.__setattr__(node, attr, old)
 
 
 class PolicyModule(nnx.Module):
