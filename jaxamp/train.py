@@ -618,6 +618,11 @@ class TrainStep:
     dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
     is unwrapped: the train step applies its own policy.
 
+    The state holds the model's own arrays where no cast was needed, and ``step``
+    donates its input state (``donate=True``): the first step consumes them, so use
+    :meth:`model` afterwards, or pass a copy to keep the original. An NNX model trains in
+    the mode it has now (call ``model.train()`` first if it was set to ``.eval()``).
+
     Args:
       model: an NNX module, or a Linen module (then pass ``variables``).
       variables: the Linen variables (``module.init(...)``'s result).
@@ -1151,12 +1156,13 @@ class TrainStep:
 
     # The branches take what they read as operands, as flat leaves (_flat_cond).
     def apply(operands):
-      state, held, grad_norm, model_state, fp8 = operands
+      state, held, loss, grad_norm, model_state, fp8 = operands
       opt_grads = unpack(held)
       # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
       # with a second one computed inside this branch).
       known_norm = KnownNorm.of(opt_grads, grad_norm)
-      opt_state, params = self._update(state, opt_grads, finite=True, known_norm=known_norm)
+      opt_state, params = self._update(state, opt_grads, loss, finite=True,
+                                       known_norm=known_norm)
       # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
       # would be stored as inf: skip such a step like an overflowing one.
       params_finite = self._params_finite(params)
@@ -1175,10 +1181,10 @@ class TrainStep:
             lambda s: self._overflow(s) if isinstance(s, _ls.LossScaleState) else s,
             state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
       else:
-        opt_state, _ = self._update(state, unpack(held), finite=False)
+        opt_state, _ = self._update(state, unpack(held), operands[2], finite=False)
       return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
 
-    operands = (state, list(held), grad_norm, model_state, fp8)
+    operands = (state, list(held), loss, grad_norm, model_state, fp8)
     if self.skips_nonfinite:
       outs = _flat_cond(grads_finite, apply, skip, operands)
     else:
@@ -1220,11 +1226,14 @@ class TrainStep:
     skipped = optax.tree_utils.tree_get(state.opt_state, "LossScaleState").overflow_steps
     return jax.random.fold_in(state.rng, state.step - skipped)
 
-  def _update(self, state: TrainState, grads: Any, *, finite: bool,
+  def _update(self, state: TrainState, grads: Any, loss: jax.Array, *, finite: bool,
               known_norm: KnownNorm | None = None) -> tuple[Any, Any]:
     """The optimizer's new state and the new params, told whether ``grads`` are finite
-    (and, if known, their global norm)."""
-    flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: True}  # divided in _step_body
+    (and, if known, their global norm). The loss goes along as optax's ``value`` extra
+    argument (``optax.contrib.reduce_on_plateau`` reads it; chains give it only to the
+    elements that take it)."""
+    flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: True,  # divided in _step_body
+            "value": loss}
     if known_norm is not None:
       flag[GLOBAL_NORM] = known_norm
     if self.master_weights:

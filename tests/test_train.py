@@ -448,6 +448,26 @@ def test_grad_accumulation_scales_each_micro_batch_so_float16_overflows_no_soone
     np.testing.assert_array_equal(state.params["w"][...], np.full((8, 4), 2.0 - 2.0**-10))
 
 
+def test_the_loss_reaches_reduce_on_plateau_as_optax_value():
+  """optax.contrib.reduce_on_plateau reads the loss as the update's ``value``: the step
+  passes its (unscaled) loss, so the plateau state follows the same losses as a plain
+  optax loop fed them."""
+  plateau = lambda: optax.chain(optax.sgd(0.5),
+                                optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+  train = jaxamp.make_train_step(loss_fn, plateau(), policy="mixed_float16")
+  state = init(train, "nnx", batchnorm=False)
+  tx = plateau()
+  ref = tx.init(None)
+  for batch in make_batches(4) * 2:  # the second pass sees the same losses: a plateau
+    state, metrics = train.step(state, batch)
+    _, ref = tx.update(None, ref, value=metrics["loss"])
+  got = optax.tree_utils.tree_get(state.opt_state, "ReduceLROnPlateauState")
+  want = optax.tree_utils.tree_get(ref, "ReduceLROnPlateauState")
+  assert float(want.scale) < 1.0  # the plateau was found
+  assert (float(got.scale), int(got.plateau_count), float(got.best_value)) == (
+      float(want.scale), int(want.plateau_count), float(want.best_value))
+
+
 def test_grad_accumulation_needs_divisible_batch():
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=3)
   state = init(train, "nnx", batchnorm=False)
