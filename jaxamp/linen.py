@@ -24,9 +24,11 @@ directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
   rather than float32 intermediates (less activation memory, more time: off by default);
 - mutable collections such as BatchNorm's ``batch_stats`` keep the dtype they had on
   the way in; parameters and other state are never stored in a half dtype unless the
-  policy's param dtype says so. The exception is Flax's decoding ``cache`` (attention
-  with ``decode=True``): it holds keys and values in the compute dtype, and ``init``
-  stores it that way.
+  policy's param dtype says so. The exception is an attention layer's decoding
+  ``cache`` (``decode=True``; a class named like attention,
+  :func:`jaxamp.rules.is_named_attention`, Hugging Face's included): it holds keys and
+  values in the compute dtype, and ``init`` stores it that way. Another module's
+  ``cache`` entries (a running sum) keep their dtype.
 
 How: ``flax.linen.intercept_methods`` sees every module method call, which is where
 arguments and results are cast. Parameters are read with ``self.param``, out of reach
@@ -75,7 +77,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.core
@@ -89,7 +91,8 @@ from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, 
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import NORM_CLASSES, is_named_norm, path_name, resolve_policy, resolve_tree
+from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, path_name,
+                          resolve_policy, resolve_tree)
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -247,17 +250,21 @@ def _compute_dtype(policy: Policy) -> Any:
   return policy.compute_dtype
 
 
-def _cast_variables(variables: Any, policies: Mapping[Path, Policy],
-                    param_dtype: Callable[[Policy], Any],
+def _cast_variables(variables: Any, modules: Sequence[tuple[Path, type]],
+                    policies: Mapping[Path, Policy], param_dtype: Callable[[Policy], Any],
                     skip: frozenset[Path] = frozenset()) -> Any:
-  """Parameters to ``param_dtype`` and the decoding ``cache`` to the compute dtype.
+  """Parameters to ``param_dtype`` and attention's decoding ``cache`` to the compute dtype.
 
   ``cache`` is Flax's collection for autoregressive decoding (``decode=True``
-  attention): it stores keys and values the module computes, and updates it in place,
-  so it must have the module's compute dtype.
+  attention): an attention layer (:func:`jaxamp.rules.is_named_attention`) stores keys
+  and values it computes there and updates them in place, so its cache must have its
+  compute dtype. Any other module's ``cache`` entries (a running sum, a recurrent state)
+  keep their dtype: in half precision a float32 one would accumulate in half.
   """
   variables = _cast_params(variables, policies, param_dtype, skip=skip)
-  return _cast_params(variables, policies, _compute_dtype, skip=skip, collection="cache")
+  attention = {path: policies[path] for path, cls in modules
+               if path in policies and is_named_attention(cls)}
+  return _cast_params(variables, attention, _compute_dtype, skip=skip, collection="cache")
 
 
 def _cast_like(x: Any, like: Any) -> Any:
@@ -506,7 +513,8 @@ class LinenPolicy:
     recorder, plan = _recording(self.module)
     with nn.intercept_methods(recorder):
       variables = self.module.init(rngs, *args, **kwargs)
-    return _cast_variables(variables, resolve_tree(plan().modules, self.model_policy()),
+    modules = plan().modules
+    return _cast_variables(variables, modules, resolve_tree(modules, self.model_policy()),
                            lambda p: p.param_dtype)
 
   def apply(self, variables: Any, *args: Any, rngs: Any = None,
@@ -539,7 +547,8 @@ class LinenPolicy:
            scopes: dict[Path, int] | None = None) -> Any:
     """``apply`` with its plan; with ``scopes``, each module call under a census scope."""
     policies = resolve_tree(plan.modules, self.model_policy())
-    cast = _cast_variables(variables, policies, _compute_dtype, skip=plan.lifted)
+    cast = _cast_variables(variables, plan.modules, policies, _compute_dtype,
+                           skip=plan.lifted)
     mutable = kwargs.get("mutable", False)
     with nn.intercept_methods(_casting(policies, plan.lifted, scopes, self.recompute_norms)):
       result = self.module.apply(cast, *args, **kwargs)

@@ -18,10 +18,12 @@ the model-level policy). Inside a module whose compute dtype is ``c``:
 - floating outputs are cast to the policy's output dtype;
 - every floating Variable keeps its stored dtype (an in-call update written in another
   dtype is cast back): BatchNorm's ``BatchStat`` stays float32 and, computed in float32
-  by default, is updated in float32; ``nnx.MultiHeadAttention``'s decoding ``nnx.Cache``
-  is read in ``c`` like a parameter and stays in the dtype ``init_cache`` gave it. Any
-  other ``nnx.Cache`` (a running sum, a recurrent state your module keeps) is read and
-  updated in its stored dtype: a float32 one accumulates in float32.
+  by default, is updated in float32; the decoding ``nnx.Cache`` of an attention layer
+  (``nnx.MultiHeadAttention``, or a class named like one: ``jaxamp.rules.
+  is_named_attention``) is read in ``c`` like a parameter and stays in the dtype
+  ``init_cache`` gave it. Any other ``nnx.Cache`` (a running sum, a recurrent state
+  your module keeps) is read and updated in its stored dtype: a float32 one
+  accumulates in float32.
 
 Some built-in layers get targeted treatment:
 
@@ -97,7 +99,7 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp import fp8 as fp8_lib
 from jaxamp.policy import get_policy, global_policy, Policy, PolicyLike
-from jaxamp.rules import path_name, resolve_policy, resolve_tree
+from jaxamp.rules import is_named_attention, path_name, resolve_policy, resolve_tree
 
 __all__ = [
     "POLICY_METHODS",
@@ -369,18 +371,15 @@ def _cast_values(tree: Any, dtype: np.dtype) -> Any:
                       is_leaf=_is_node)
 
 
-# Variables read in the compute dtype: parameters, and the decoding cache of the attention
-# layers (they write computed keys and values into it; it keeps its stored dtype). Any
-# other nnx.Cache is state a module accumulates (a running sum, a recurrent state): read in
-# the compute dtype, a float32 one would be updated in half precision, so it is read, and
-# updated, in its stored dtype, as BatchStat is.
-_READ_AS_COMPUTE = (nnx.Param,)
-_CACHE_READ_AS_COMPUTE = (nnx.MultiHeadAttention,)
-
-
 def _reads_as_compute(module: nnx.Module, variable: nnx.Variable) -> bool:
-  return isinstance(variable, _READ_AS_COMPUTE) or (
-      isinstance(variable, nnx.Cache) and isinstance(module, _CACHE_READ_AS_COMPUTE))
+  """Whether ``variable`` of ``module`` is read in the compute dtype: a parameter, or the
+  decoding cache of an attention layer (:func:`jaxamp.rules.is_named_attention`: it
+  writes computed keys and values into it; the cache keeps its stored dtype). Any other
+  ``nnx.Cache`` is state a module accumulates (a running sum, a recurrent state): read in
+  the compute dtype, a float32 one would be updated in half precision, so it is read,
+  and updated, in its stored dtype, as ``BatchStat`` is."""
+  return isinstance(variable, nnx.Param) or (
+      isinstance(variable, nnx.Cache) and is_named_attention(type(module)))
 
 # Modules that only hold things: a Param in a module's nnx.List is that module's.
 _CONTAINERS = (nnx.List, nnx.Dict)

@@ -71,6 +71,8 @@ __all__ = [
     "NORM_NAME_PATTERN",
     "NAMED_NORMS",
     "is_named_norm",
+    "ATTENTION_NAME_PATTERN",
+    "is_named_attention",
     "Rule",
 ]
 
@@ -104,6 +106,26 @@ def is_named_norm(cls: type) -> bool:
     (True, False)
   """
   return NORM_NAME_PATTERN.search(getattr(cls, "__name__", "")) is not None
+
+
+# Attention layers, whose decoding cache (Linen's ``cache`` collection, an ``nnx.Cache``)
+# takes the keys and values they compute: Flax's MultiHeadAttention,
+# MultiHeadDotProductAttention, SelfAttention; Hugging Face's FlaxGPT2Attention, ...
+ATTENTION_NAME_PATTERN: re.Pattern[str] = re.compile(r"Attention(?![a-z])")
+
+
+def is_named_attention(cls: type) -> bool:
+  """Whether ``cls`` or a base class is named like an attention layer
+  (:data:`ATTENTION_NAME_PATTERN`): its decoding cache is read in the compute dtype.
+
+  Example:
+    >>> from jaxamp.rules import is_named_attention
+    >>> class FlaxGPT2Attention: pass
+    >>> class StreamingMean: pass
+    >>> is_named_attention(FlaxGPT2Attention), is_named_attention(StreamingMean)
+    (True, False)
+  """
+  return any(ATTENTION_NAME_PATTERN.search(c.__name__) for c in getattr(cls, "__mro__", ()))
 
 
 def pure_policy_fn(fn: Callable[[Policy], Policy]) -> Callable[[Policy], Policy]:

@@ -164,6 +164,38 @@ def test_attention_decoding_cache_takes_the_compute_dtype(init_by):
     assert ours["cache"]["cache_index"] == t + 1
 
 
+class RunningSum(nn.Module):
+  """A float32 running sum and count in the ``cache`` collection, as a streaming module
+  might keep them: not an attention layer's decoding cache."""
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(4)(x)
+    total = self.variable("cache", "total", jnp.zeros, (4,), jnp.float32)
+    count = self.variable("cache", "count", jnp.zeros, (), jnp.float32)
+    if not self.is_initializing():
+      total.value = total.value + y.sum(0)
+      count.value = count.value + x.shape[0]
+    return total.value / jnp.maximum(count.value, 1.0)
+
+
+def test_a_cache_entry_of_a_module_that_is_not_attention_keeps_its_dtype():
+  model = jl.with_policy(RunningSum(), "mixed_bfloat16")
+  x = jnp.ones((1, 4))
+  variables = model.init(jax.random.key(0), x)
+  assert dtypes(variables["cache"]) == {F32}  # not stored in the compute dtype
+
+  @jax.jit
+  def step(v):
+    _, state = model.apply(v, x, mutable=["cache"])
+    return {**v, **state}
+
+  for _ in range(300):  # a bfloat16 count stalls at 256
+    variables = step(variables)
+  assert float(variables["cache"]["count"]) == 300.0
+  assert dtypes(variables["cache"]) == {F32}
+
+
 def test_param_dtype_of_policy_is_what_init_stores():
   model = jl.with_policy(models.Mlp(4), "bfloat16")
   variables = init(model, X2)
