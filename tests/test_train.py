@@ -723,6 +723,27 @@ _MESH_SCRIPT = textwrap.dedent("""
                     round(float(m['accuracy']), 6)))
     assert auxes[0] == auxes[1] and auxes[0][1:3] == (32, True), auxes
 
+    # BatchNorm told the mesh axis normalizes with the whole batch's statistics: as one
+    # device (each device's own statistics, without it). Shards of different means.
+    from flax import nnx
+    class SyncNet(nnx.Module):
+      def __init__(self, axis_name):
+        self.l1 = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(16, axis_name=axis_name, rngs=nnx.Rngs(0))
+        self.l2 = nnx.Linear(16, 4, rngs=nnx.Rngs(1))
+      def __call__(self, x):
+        return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+    b = dict(batches[0], x=batches[0]['x'] + np.repeat(np.arange(8.0), 4)[:, None])
+    got = {{}}
+    for name, kw, axis in [('single', {{}}, None), ('synced', dict(mesh=mesh), 'data'),
+                           ('local', dict(mesh=mesh), None)]:
+      train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', **kw)
+      state, _ = train.step(train.init(SyncNet(axis)), b)
+      got[name] = leaves(state.params) + leaves(state.model_state)
+    for a, c in zip(got['single'], got['synced']):
+      np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
+    assert max(np.abs(a - c).max() for a, c in zip(got['single'], got['local'])) > 1e-2
+
     # NNX dropout: every device draws its own masks (one example per device here).
     import jax.numpy as jnp
     from flax import nnx
