@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +68,7 @@ class _Context(NamedTuple):
 
 
 def autocast(fn: F, policy: PolicyLike | None = None, *,
-             lists: AutocastLists | None = None) -> F:
+             lists: AutocastLists | None = None, pinned_argnums: Sequence[int] = ()) -> F:
   """Returns ``fn`` with each primitive run in the precision the op lists give it.
 
   Low-precision list (``dot_general``, ``conv_general_dilated``): floating operands
@@ -108,6 +109,11 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
       cached traces stay valid.
     lists: the op lists; default :data:`jaxamp.op_lists.BFLOAT16_LISTS` for bfloat16
       compute, else :data:`jaxamp.op_lists.DEFAULT_LISTS`.
+    pinned_argnums: positional arguments whose float32 values are data, pinned in
+      float32: a half value they meet in a follow-compute op (``pred - target``) is
+      widened to float32, not they narrowed (as a bias is). Other arguments
+      (parameters) follow the compute dtype. ``make_train_step(..., opt_level='O1')``
+      pins the batch, so a loss against float32 targets is computed in float32.
 
   Returns:
     The autocast function.
@@ -139,6 +145,7 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
   if not isinstance(lists, AutocastLists):
     raise TypeError(f"lists must be a jaxamp.AutocastLists, got {type(lists).__name__}.")
   ctx = _Context(compute, lists)
+  pinned = frozenset(operator.index(i) for i in pinned_argnums)
 
   @functools.wraps(fn)
   def autocast_fn(*args, **kwargs):
@@ -153,8 +160,13 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
       return fn(*a, **k)
 
     values = [leaves[i] for i in dynamic]
+    # Which leaves belong to a pinned argument: a tree of flags shaped like the inputs.
+    flags = jax.tree.leaves((tuple(jax.tree.map(lambda _, i=i: i in pinned, a)
+                                   for i, a in enumerate(args)),
+                             jax.tree.map(lambda _: False, kwargs)))
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*values)
-    outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, values, ctx)
+    outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, values, ctx,
+                          [flags[i] for i in dynamic])
     outs = [_cast_like(x, aval) for x, aval in zip(outs, closed.out_avals)]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 
@@ -47,7 +49,8 @@ def _convert_nnx(model: nnx.Module, policy: PolicyLike | None) -> nnx.Module:
       modules[path_name(path)] = node
     elif isinstance(node, nnx.Param):
       variables[path_name(path)] = node
-  groups = module_params({name: v.get_value() for name, v in variables.items()}, list(compute))
+  values = {name: v.get_value() for name, v in variables.items()}
+  groups = module_params(values, list(compute))
   for owner, leaves in groups.items():
     dtype = compute[owner]
     for name, value in leaves:
@@ -55,7 +58,26 @@ def _convert_nnx(model: nnx.Module, policy: PolicyLike | None) -> nnx.Module:
         variables[name].set_value(value.astype(dtype))
         if hasattr(modules[owner], "param_dtype"):
           object.__setattr__(modules[owner], "param_dtype", dtype)
+  _check_in_range(values, {name: v.get_value() for name, v in variables.items()})
   return model
+
+
+def _check_in_range(before: Any, after: Any) -> None:
+  """Refuses a conversion that turned a finite parameter into inf (float16 stops at
+  65504), naming the parameters and the fix."""
+  overflowed = []
+  for (path, old), new in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                              jax.tree.leaves(after)):
+    if (is_floating_array(old) and old.dtype != new.dtype
+        and bool(np.isfinite(old).all()) and not bool(np.isfinite(new).all())):
+      overflowed.append(f"{path_name(path)} (|max| {float(np.abs(old).max()):.4g}, "
+                        f"{np.dtype(new.dtype).name})")
+  if overflowed:
+    raise ValueError(
+        "convert_for_inference: parameters outside the compute dtype's range would be "
+        f"stored as inf: {', '.join(overflowed)}. Convert under 'mixed_bfloat16' "
+        "(float32's range), or keep their modules in float32 with a rule "
+        "(jaxamp.policy_rules({'<path>': 'float32'})).")
 
 
 def _convert_linen(variables: Any, module: nn.Module, example_inputs: tuple[Any, ...],
@@ -64,6 +86,7 @@ def _convert_linen(variables: Any, module: nn.Module, example_inputs: tuple[Any,
 
   plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy)
   params = cast_module_params(variables["params"], plan, lambda p: p.compute_dtype)
+  _check_in_range(variables["params"], params)
   converted = dict(variables)
   converted["params"] = params
   return type(variables)(converted) if not isinstance(variables, dict) else converted

@@ -865,8 +865,10 @@ def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
     out = copy._run(name, a, k, call)
     return [x for x in jax.tree.leaves(out) if hasattr(x, "shape") and hasattr(x, "dtype")]
 
-  # The copy's modules are new objects: number them as _applied meets them.
-  jaxpr = jax.make_jaxpr(run)(state, *(x for x, a in zip(leaves, arrays) if a))
+  # The copy's modules are new objects: number them as _applied meets them. Traced
+  # inside a train step, the copy must not read (or warn of missing) FP8 state.
+  with fp8_lib.suspended():
+    jaxpr = jax.make_jaxpr(run)(state, *(x for x, a in zip(leaves, arrays) if a))
   policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
   return module_matmuls(jaxpr), call.names, policies
 

@@ -347,6 +347,31 @@ def _mean_floats(tree: Any, axes: Any) -> Any:
                       if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
 
 
+def _check_trainable(params: Any, model: str) -> None:
+  """Refuses, naming the fix, parameters a gradient step cannot train: none at all, or
+  ones that are not floating (``jax.grad`` takes floating inputs only)."""
+  found = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  if not found:
+    raise ValueError(
+        f"init found no parameters to train in {model}: the train step differentiates "
+        "the model's nnx.Param variables (Linen: its 'params' collection). State it "
+        "only reads (a plain nnx.Variable, a buffer) is not trained; hold what should "
+        "be trained in an nnx.Param.")
+  wrong = [f"{path_name(path) or '(model)'} ({np.dtype(_value_of(x).dtype).name})"
+           for path, x in found if not jnp.issubdtype(_value_of(x).dtype, jnp.inexact)]
+  if wrong:
+    raise ValueError(
+        f"init found parameters of {model} that are not floating: {', '.join(wrong)}. "
+        "Gradients exist for floating parameters only: hold integer or boolean tables "
+        "in a plain nnx.Variable (Linen: another collection than 'params'), which the "
+        "step passes along untrained.")
+
+
+def _value_of(x: Any) -> Any:
+  return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
 def _combine_aux(tree: Any, over_axis: int | None = None, over_devices: Any = None) -> Any:
   """``loss_fn``'s aux over micro-batches (stacked on ``over_axis``) or, inside
   ``shard_map``, over the batch's ``over_devices`` axes, as the whole batch's.
@@ -494,24 +519,34 @@ class _SkipStreaks:
     if self.calls % self.window or not skipped.is_fully_addressable:
       return
     # The newest sample is kept, not read; the two before it span `window` calls.
-    self.samples = [*self.samples[-2:], (skipped, metrics["loss_scale"])]
+    self.samples = [*self.samples[-2:], (skipped, {
+        k: metrics[k] for k in ("loss_scale", "grads_finite", "params_finite") if k in metrics})]
     if len(self.samples) < 3:
       return
-    (old, _), (new, scale) = self.samples[0], self.samples[1]
+    (old, _), (new, sample) = self.samples[0], self.samples[1]
     if int(new) - int(old) != self.window:  # != : a state from elsewhere between them
       self.warned = False
       return
     if not self.warned:
       self.warned = True
+      scale = float(sample["loss_scale"])
+      if bool(sample["grads_finite"]) and not bool(sample.get("params_finite", True)):
+        why = (f"their gradients were finite (loss scale {scale:g}), but the updates made "
+               "float16 parameters inf or NaN, so the step was skipped. The optimizer "
+               "computes in float16 there: Adam's default eps=1e-8 is 0 in float16 (a zero "
+               "gradient gives 0/0), and its moments overflow. Keep float32 master "
+               "weights (make_train_step(..., master_weights=True)) or give Adam "
+               "eps=1e-4 or more.")
+      else:
+        why = (f"their gradients were not finite (inf or NaN), so the parameters did not "
+               f"change (loss scale {scale:g}). Find the overflowing parameters with "
+               "make_train_step(..., debug_nonfinite=True) (metrics['nonfinite_grads']). "
+               "Common causes: NaN in the inputs or the loss, a learning rate that "
+               "diverged, or an op that overflows in float16 whatever the scale "
+               "(jax.nn.gelu's backward pass; see the README).")
       warnings.warn(
-          f"jaxamp: the last {self.window} train steps were all skipped: their gradients "
-          f"were not finite (inf or NaN), so the parameters did not change (loss scale "
-          f"{float(scale):g}). Find the overflowing parameters with "
-          "make_train_step(..., debug_nonfinite=True) (metrics['nonfinite_grads']). Common "
-          "causes: NaN in the inputs or the loss, a learning rate that diverged, or an op "
-          "that overflows in float16 whatever the scale (jax.nn.gelu's backward pass; see "
-          "the README). warn_skipped_steps=None turns this warning off.",
-          RuntimeWarning, stacklevel=3)
+          f"jaxamp: the last {self.window} train steps were all skipped: {why} "
+          "warn_skipped_steps=None turns this warning off.", RuntimeWarning, stacklevel=3)
 
 
 class TrainStep:
@@ -677,6 +712,7 @@ class TrainStep:
                            "layers that keep FP8 state from them.")
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
+    _check_trainable(params, type(model).__name__)
     if self.param_sharding is not None:
       # Read the specs while Linen's partitioning boxes are still on, then drop them.
       self.param_specs = sharding_lib.param_specs(self.param_sharding, params, self.mesh)
@@ -944,7 +980,8 @@ class TrainStep:
         used.update(scope.used if scope is not None else ())
       return loss * weight, (loss, aux, new_state())
 
-    raw_grad_fn = jax.grad(self._autocast(scaled_loss), argnums=(0, 1), has_aux=True)
+    raw_grad_fn = jax.grad(self._autocast(scaled_loss, batch_argnum=3), argnums=(0, 1),
+                           has_aux=True)
 
     def grad_fn(p, f8, ms, mb, key):
       (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
@@ -1091,13 +1128,15 @@ class TrainStep:
       e.add_note(_LOSS_FN_HINT)
       raise
 
-  def _autocast(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under the opt level's autocast (O1), else ``fn`` itself."""
+  def _autocast(self, fn: Callable[..., Any], batch_argnum: int) -> Callable[..., Any]:
+    """``fn`` under the opt level's autocast (O1), else ``fn`` itself. The batch (argument
+    ``batch_argnum``) is pinned: float32 data (a regression target) stays float32 where
+    it meets half values (``pred - y``), as in torch.autocast; parameters follow."""
     if self.level is None or not self.level.autocast:
       return fn
     from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
 
-    return autocast(fn, self.level.policy)
+    return autocast(fn, self.level.policy, pinned_argnums=(batch_argnum,))
 
   def _level_rules(self) -> Any:
     """The norm rule an opt level asks for, in force at init and while the step traces."""
@@ -1268,7 +1307,7 @@ class TrainStep:
       return cast_floating(self._call_user(self.eval_fn, model, batch), _F32)
 
     with self._level_rules(), fp8_lib.state_scope(state.fp8):
-      return self._autocast(run)(params, state.model_state, batch)
+      return self._autocast(run, batch_argnum=2)(params, state.model_state, batch)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,

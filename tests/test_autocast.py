@@ -571,6 +571,32 @@ def test_follow_compute_widest_and_literals():
   assert jaxpr.eqns[-1].primitive.name == "add" and jaxpr.eqns[-1].outvars[0].aval.dtype == F32
 
 
+def test_pinned_arguments_keep_float32_data_float32():
+  """A float32 target is data, not a bias: pinned, ``pred - y`` runs in float32 (the
+  bias still follows the matmul); unpinned, it follows the compute dtype."""
+  def loss(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  params = {"w": jnp.ones((4, 1)), "b": jnp.ones(1)}
+  batch = {"x": jnp.ones((8, 4)), "y": jnp.full((8, 1), 1000.0)}
+
+  def dtypes(**kw):
+    eqns = jax.make_jaxpr(jaxamp.autocast(loss, BF16, **kw))(params, batch).jaxpr.eqns
+    return [(e.primitive.name, e.outvars[0].aval.dtype) for e in eqns
+            if e.primitive.name in ("add", "sub")]
+
+  assert dtypes() == [("add", BF16), ("sub", BF16)]
+  assert dtypes(pinned_argnums=(1,)) == [("add", BF16), ("sub", F32)]
+  # A target bfloat16 cannot hold (spacing 4 at 1000) keeps its float32 value when
+  # pinned: pred 1000 against y 1001 is the float32 loss, 1. Unpinned, y rounds to 1000
+  # and the loss is 0.
+  exact = {"w": jnp.zeros((4, 1)), "b": jnp.full(1, 1000.0)}
+  near = dict(batch, y=jnp.full((8, 1), 1001.0))
+  assert float(jaxamp.autocast(loss, BF16, pinned_argnums=(1,))(exact, near)) == 1.0
+  assert float(jaxamp.autocast(loss, BF16)(exact, near)) == 0.0
+
+
 def test_reduction_size_rule():
   f = lambda x: (x @ x.T).sum(-1)
   x = jnp.ones((2, 4))

@@ -543,3 +543,21 @@ def test_nnx_layers_inside_scan_fall_back_to_current_scaling(monkeypatch):
       state.fp8["head"].amax_history)[:, 0].all()
   text = train.lower(state, x, platforms=("cuda",)).as_text()
   assert text.count("f8E4M3FN") >= 2  # the scanned layers' dots too
+
+
+def test_nnx_layers_with_state_give_no_current_scaling_warning(monkeypatch):
+  """The float32-matmul census the first step traces on a copy of the model (whose
+  modules have no state) must not warn that the FP8 layers lack state: they have it."""
+  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
+  model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
+                         nnx.Linear(16, 2, rngs=nnx.Rngs(1)))
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8")
+  state = train.init(model)
+  assert set(state.fp8) == {"layers/0", "layers/2"}
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, x)
+  assert not [w for w in seen if "delayed-scaling state" in str(w.message)]
+  assert all(np.asarray(m.amax_history)[:, 0].all() for m in state.fp8.values())

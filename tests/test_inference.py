@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import jaxamp
@@ -67,3 +68,22 @@ def test_bad_inputs_are_named():
     jaxamp.convert_for_inference({"batch_stats": {}}, module=module)
   with pytest.raises(ValueError, match="example inputs"):
     jaxamp.convert_for_inference({"params": {}}, module=module)
+
+
+def test_a_parameter_out_of_float16_range_is_refused_not_stored_as_inf():
+  model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+  model.layers[1].kernel[...] = model.layers[1].kernel[...].at[0, 0].set(1e5)
+  with pytest.raises(ValueError, match=r"inf: layers/1/kernel \(\|max\| 1e\+05, float16\)"):
+    jaxamp.convert_for_inference(model, policy="mixed_float16")
+  served = jaxamp.convert_for_inference(model, policy="mixed_bfloat16")  # float32's range
+  assert np.isfinite(np.asarray(served.layers[1].kernel[...], np.float32)).all()
+  with jaxamp.policy_rules({"layers/1": "float32"}):
+    served = jaxamp.convert_for_inference(model, policy="mixed_float16")
+  assert served.layers[1].kernel[...].dtype == jnp.float32
+
+  module = nn.Dense(2)
+  x = jnp.ones((1, 4))
+  variables = module.init(jax.random.key(0), x)
+  variables["params"]["kernel"] = variables["params"]["kernel"].at[0, 0].set(-1e5)
+  with pytest.raises(ValueError, match="inf: kernel"):
+    jaxamp.convert_for_inference(variables, x, module=module, policy="mixed_float16")

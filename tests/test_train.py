@@ -350,6 +350,24 @@ def test_a_streak_of_skipped_steps_warns_once_per_streak():
   jax.jit(train.step)(state, bad)  # inside a user's jit, metrics are tracers: not read
 
 
+def test_the_skip_warning_names_float16_updates_when_the_gradients_were_finite():
+  """Pure float16 without master weights, Adam's default eps (0 in float16): zero
+  gradients give 0/0 updates, every step is skipped for its parameters, not its
+  gradients, and the warning says so."""
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="float16",
+                                 master_weights=False, warn_skipped_steps=2)
+  state = init(train, "nnx", batchnorm=False)
+  batch = make_batches(1)[0]
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    for _ in range(6):
+      state, metrics = train.step(state, batch)
+    (warning,) = _skip_warnings(record)
+  assert bool(metrics["grads_finite"]) and not bool(metrics["params_finite"])
+  assert "gradients were finite" in str(warning.message)
+  assert "master_weights=True" in str(warning.message)
+
+
 def test_the_skip_warning_can_be_turned_off():
   good = make_batches(1)[0]
   bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
@@ -843,6 +861,44 @@ def test_orbax_resume_in_fresh_process_is_bit_identical(tmp_path, api):
     np.testing.assert_array_equal(resumed[f"arr_{i}"], x)
   # growth every 2 finite steps from 16: 5 steps -> 16 * 2 * 2
   assert float(resumed["scale"]) == float(jaxamp.get_loss_scale(state.opt_state)) == 64.0
+
+
+def test_a_model_without_floating_parameters_is_refused_at_init():
+  class Fixed(nnx.Module):  # a buffer, no nnx.Param: nothing to train
+    def __init__(self):
+      self.table = nnx.Variable(jnp.eye(4))
+
+    def __call__(self, x):
+      return x @ self.table[...]
+
+  class IntTable(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(4))
+      self.table = nnx.Param(jnp.arange(4))
+
+    def __call__(self, x):
+      return x * self.w[...] * self.table[...]
+
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b)), optax.sgd(0.1))
+  with pytest.raises(ValueError, match="no parameters to train in Fixed.*nnx.Param"):
+    train.init(Fixed())
+  with pytest.raises(ValueError, match=r"IntTable that are not floating: table \(int32\)"):
+    train.init(IntTable())
+
+
+def test_o1_computes_the_loss_against_float32_targets_in_float32():
+  """O1 autocasts the whole loss: the batch is pinned, so ``pred - y`` runs in float32
+  as under a mixed policy (it ran in bfloat16: a target of 1001 was 1000), while the
+  matmul still runs in bfloat16."""
+  loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  batch = {"x": jnp.ones((16, 8)), "y": jnp.full((16, 1), 1001.0)}
+  level = jaxamp.opt_level("O1", half=jnp.bfloat16)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.0), opt_level=level)
+  state = train.init(nnx.Linear(8, 1, rngs=nnx.Rngs(0)))
+  text = train.lower(state, batch).as_text()
+  subs = [line for line in text.splitlines() if "stablehlo.subtract" in line and "16x1x" in line]
+  assert subs and all("16x1xf32" in line for line in subs), subs
+  assert any("dot_general" in line and "bf16" in line for line in text.splitlines())
 
 
 def test_bad_arguments_are_named():
