@@ -790,6 +790,13 @@ class TrainStep:
       # scale a restored state holds (the loss scale returns it to 1).
       self._unit_scale = _ls.is_no_loss_scale(scale)
       tx = optax.chain(scale, tx)
+    if (self._unit_scale and self.mesh is not None
+        and self.grad_reduce_dtype == np.dtype(jnp.float16)):
+      warnings.warn(
+          "jaxamp: grad_reduce_dtype=float16 with no loss scale (policy "
+          f"{self.policy.name!r}): gradients below float16's smallest value (6e-8) are "
+          "averaged as 0 and ones past 65504 as inf. Use bfloat16 (float32's range), or "
+          "a policy that scales the loss.", RuntimeWarning, stacklevel=3)
     # skip_nonfinite=False (apply every update, as optax and the peers do without a loss
     # scaler) only where float16 does not need skips: an overflowing float16 step, or a
     # float16 param pushed past 65504, must not be applied.

@@ -901,6 +901,18 @@ def test_o1_computes_the_loss_against_float32_targets_in_float32():
   assert any("dot_general" in line and "bf16" in line for line in text.splitlines())
 
 
+def test_a_float16_gradient_mean_without_loss_scale_warns():
+  mesh = jax.make_mesh((1,), ("data",))
+  for policy, warns in [("float32", True), ("mixed_bfloat16", True), ("mixed_float16", False)]:
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=policy, mesh=mesh,
+                                   grad_reduce_dtype=jnp.float16)
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      init(train, "nnx", batchnorm=False)
+    found = [w for w in seen if "grad_reduce_dtype=float16" in str(w.message)]
+    assert len(found) == warns, (policy, [str(w.message) for w in seen])
+
+
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="grad_accum_steps must be >= 1"):
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=0)
