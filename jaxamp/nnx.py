@@ -40,7 +40,8 @@ Some built-in layers get targeted treatment:
   compute wider than their inputs run under ``jax.checkpoint``: reverse mode keeps their
   half-precision input instead of float32 intermediates and recomputes the norm in the
   backward pass. Off by default: it saves activation memory but costs time on a GPU
-  (ResNet-50 step 1.25× with it, 1.03× the hand-set model without; ``benchmarks/gpu``).
+  (ResNet-50 step 1.25× with it in a run not kept, 1.03× the hand-set model without:
+  ``benchmarks/gpu``).
 
 Linen modules bridged with ``nnx.bridge.ToNNX`` run through
 :func:`jaxamp.linen.with_policy` under the ``ToNNX`` module's policy (rule paths

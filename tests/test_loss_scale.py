@@ -1,5 +1,6 @@
 """Tests for jaxamp.loss_scale: the update rule, unscaling, skipping and helpers."""
 
+import functools
 import re
 from typing import Any, NamedTuple
 
@@ -411,6 +412,28 @@ def test_a_schedule_inside_skip_nonfinite_does_not_advance_on_a_skipped_step():
       _, state = opt.update({"w": jnp.full(2, g)}, state, params)
     counts[name] = int(injected_state(state).count)
   assert counts == {"skip(inject)": 2, "inject(skip)": 3}
+
+
+def test_dynamic_loss_scale_defaults_are_the_documented_ones():
+  """2**15 at first; doubled after 2,000 finite steps; halved per overflow down to 1;
+  at most 2**24 (the README's and torch's GradScaler's defaults, ceiling aside)."""
+  ls = jaxamp.dynamic_loss_scale()
+  finite, inf = jnp.ones(2), jnp.full(2, jnp.inf)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def steps(state, n, grads):
+    return jax.lax.fori_loop(0, n, lambda _, s: ls.update(grads, s)[1], state)
+
+  state = ls.init(None)
+  assert float(state.scale) == 2.0**15
+  state = steps(state, 1999, finite)
+  assert float(state.scale) == 2.0**15
+  state = steps(state, 1, finite)
+  assert float(state.scale) == 2.0**16
+  state = steps(state, 2000 * 12, finite)  # 12 more growths would pass 2**24
+  assert float(state.scale) == 2.0**24
+  state = steps(state, 40, inf)
+  assert float(state.scale) == 1.0
 
 
 def _nested_states():

@@ -149,13 +149,19 @@ def test_mixed_matches_float32_within_tolerance(api):
     np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("scale", ["dynamic", "default fixed"])
 @pytest.mark.parametrize("api", ["nnx", "linen"])
-def test_injected_inf_matches_control_run_bit_for_bit(api):
+def test_injected_inf_matches_control_run_bit_for_bit(api, scale):
   # Powers of two scale exactly in bfloat16/float32, so the two runs' different loss
-  # scales cannot change a bit; only the skip could.
+  # scales cannot change a bit; only the skip could. "default fixed": the scale of 1
+  # the step inserts for mixed_bfloat16.
+  dynamic = scale == "dynamic"
+
   def run(batches):
-    tx = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0**10, growth_interval=1000),
-                     optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    if dynamic:
+      tx = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0**10,
+                                                 growth_interval=1000), tx)
     train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", donate=False)
     state = init(train, api, dropout=0.2)
     history = []
@@ -174,7 +180,7 @@ def test_injected_inf_matches_control_run_bit_for_bit(api):
   before, after, metrics = hist_a[2]
   assert not bool(metrics["grads_finite"])
   assert int(metrics["skipped_steps"]) == 1
-  assert float(metrics["loss_scale"]) == 2.0**9
+  assert float(metrics["loss_scale"]) == (2.0**9 if dynamic else 1.0)
   assert_trees_equal(after.params, before.params)
   assert_trees_equal(after.model_state, before.model_state)
   inner_before = optax.tree_utils.tree_get(before.opt_state, "ScaleByAdamState")
