@@ -510,6 +510,21 @@ def test_compiles_once_and_donates_buffers():
   assert int(state.step) == 4
 
 
+def test_the_first_step_consumes_the_models_arrays_and_a_copy_keeps_them():
+  """What the README says of init and donation: the state holds the model's own arrays
+  (no cast was needed under float32 params), so the first step deletes them; nnx.clone
+  shares them; a copy of the arrays survives."""
+  model = NNXNet(nnx.Rngs(0), batchnorm=False)
+  graphdef, arrays = nnx.split(model)
+  kept = nnx.merge(graphdef, jax.tree.map(jnp.copy, arrays))
+  clone = nnx.clone(model)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
+  state = train.init(model)
+  train.step(state, make_batches(1)[0])
+  assert model.l1.kernel[...].is_deleted() and clone.l1.kernel[...].is_deleted()
+  assert not kept.l1.kernel[...].is_deleted()
+
+
 def test_grad_norm_is_norm_of_unscaled_gradients():
   batch = make_batches(1)[0]
   train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.static_loss_scale(256.0),
