@@ -53,6 +53,7 @@ import contextlib
 import functools
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -389,6 +390,35 @@ def _find_rule(cls: type, path: str) -> Rule | None:
     # Flax's norms have class rules of their own; one removed means "follow the model".
     return next((r for r in rules if r.target is NAMED_NORMS), None)
   return best
+
+
+_warned_unmatched: set[Any] = set()
+
+
+def warn_unmatched_path_rules(model: str, paths: Iterable[str], stacklevel: int = 3) -> None:
+  """Warns, once per model and rules, of path rules in force that match none of ``paths``
+  (a model's module paths): a typo (``'haed'``), a parameter's path (``'head/kernel'``)
+  or a Linen collection name (``'params/head'``) would otherwise change nothing, silently.
+  A rule meant for another model warns too: make it in a ``policy_rules`` block around
+  this model's use, or ignore the warning."""
+  names = [p.strip("/") for p in paths if p.strip("/")]
+  unmatched = [rule.target for rule in _current()
+               if isinstance(rule.target, (str, re.Pattern))
+               and not any(_matches(rule.target, name) for name in names)]
+  if not unmatched:
+    return
+  shown = [t.pattern if isinstance(t, re.Pattern) else t for t in unmatched]
+  key = (model, tuple(shown))
+  with _lock:
+    if key in _warned_unmatched:
+      return
+    _warned_unmatched.add(key)
+  some = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+  warnings.warn(
+      f"jaxamp: the path rule(s) {', '.join(map(repr, shown))} match no module of {model}, "
+      f"so they change nothing here. Paths are '/'-joined module paths from the model "
+      f"(globs allowed), e.g. {some}; a parameter's own name or a Linen collection is not "
+      "part of one.", RuntimeWarning, stacklevel=stacklevel)
 
 
 def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: PolicyLike

@@ -26,7 +26,7 @@ from jaxamp import fp8 as fp8_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.report import _bytes
-from jaxamp.rules import path_name
+from jaxamp.rules import path_name, warn_unmatched_path_rules
 
 __all__ = ["summary", "Summary", "SummaryRow", "cast_module_params", "module_params"]
 
@@ -294,6 +294,8 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
   seen: dict[str, tuple[type, Policy]] = {}
   for path, cls, p in plan:
     seen.setdefault(path, (cls, p))
+  root = model[0] if isinstance(model, tuple) else model
+  warn_unmatched_path_rules(type(root).__name__, list(seen))
   groups = module_params(params, list(seen))
   matmuls = None if census is None else _matmul_columns(census)
   rows = []

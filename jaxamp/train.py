@@ -72,7 +72,8 @@ from jaxamp.clipping import GLOBAL_NORM, KnownNorm
 from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import asks_for_fp8, norm_defaults, path_name
+from jaxamp.rules import (asks_for_fp8, norm_defaults, path_name,
+                          warn_unmatched_path_rules)
 from jaxamp.summary import cast_module_params
 
 __all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
@@ -712,6 +713,8 @@ class TrainStep:
                            "layers that keep FP8 state from them.")
         params = variables["params"]
         model_state = {k: v for k, v in variables.items() if k != "params"}
+    if plan is not None:
+      warn_unmatched_path_rules(type(model).__name__, [row[0] for row in plan])
     _check_trainable(params, type(model).__name__)
     if self.param_sharding is not None:
       # Read the specs while Linen's partitioning boxes are still on, then drop them.

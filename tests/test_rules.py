@@ -229,3 +229,34 @@ def test_resolved_trees_are_reused_until_a_rule_changes_and_user_functions_run_e
     for _ in range(2):
       assert rules.resolve_tree(tree, BF16)[("layers", 0)].output_dtype.name == "float32"
   assert len(spec.calls) == 2
+
+
+def test_a_path_rule_that_matches_no_module_warns_once_at_init_and_summary(monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(jaxamp.rules, "_warned_unmatched", set())
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.body = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      self.head = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.head(self.body(x))
+
+  def seen(rules):
+    with jaxamp.policy_rules(rules), warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always")
+      train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b)), optax.sgd(0.1),
+                                     policy="mixed_bfloat16")
+      train.init(Net())
+      jaxamp.summary(Net(), policy="mixed_bfloat16")
+    return [str(w.message) for w in record if "path rule" in str(w.message)]
+
+  # A typo and a parameter's path match no module: one warning, naming them.
+  msgs = seen({"haed": "float32", "head/kernel": "float32", "b*": "float32"})
+  assert len(msgs) == 1 and "'haed', 'head/kernel' match no module of Net" in msgs[0]
+  assert "'body'" in msgs[0]  # the paths there are
+  assert seen({"head": "float32", re.compile("bo.y"): "float32"}) == []  # both match
