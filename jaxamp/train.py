@@ -869,12 +869,27 @@ class TrainStep:
     """One training step; compiled once per batch shape. Donates ``state`` by default."""
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.step(...).")
-    state = self._accepted(state)
+    state, batch = self._accepted(state), self._laid_out(batch)
     new_state, metrics = self._plain_reads_if_needed(lambda: self._step_jit(state, batch))
     self._last_state = new_state
     if self._streaks is not None:
       self._streaks.observe(metrics)
     return new_state, metrics
+
+  def _laid_out(self, batch: Any) -> Any:
+    """With a mesh, ``batch``'s arrays committed to another layout (one device, replicated,
+    split on another axis) moved to the step's batch sharding, which the compiled step
+    would otherwise refuse; host arrays and arrays already so laid out pass untouched."""
+    if self.mesh is None:
+      return batch
+    data = self._batch_sharding()
+
+    def one(x: Any) -> Any:
+      if (isinstance(x, jax.Array) and x.committed
+          and not x.sharding.is_equivalent_to(data, x.ndim)):
+        return jax.device_put(x, data)
+      return x
+    return jax.tree.map(one, batch)
 
   def _accepted(self, state: Any, place: bool = True) -> Any:
     """``state`` checked, unless this step returned it, and (``place``) laid out on the
@@ -960,7 +975,7 @@ class TrainStep:
     """
     if self._eval_jit is None:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
-    return self._eval_jit(self._accepted(state), batch)
+    return self._eval_jit(self._accepted(state), self._laid_out(batch))
 
   def model(self, state: TrainState) -> Any:
     """The model with the state's parameters: an NNX module, or ``(module, variables)``."""

@@ -356,6 +356,11 @@ def test_a_streak_of_skipped_steps_warns_once_per_streak():
   jax.jit(train.step)(state, bad)  # inside a user's jit, metrics are tracers: not read
 
 
+def test_the_skip_warning_watches_windows_of_100_calls_by_default():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1))
+  assert train._streaks.window == 100  # pylint: disable=protected-access
+
+
 def test_the_skip_warning_names_float16_updates_when_the_gradients_were_finite():
   """Pure float16 without master weights, Adam's default eps (0 in float16): zero
   gradients give 0/0 updates, every step is skipped for its parameters, not its
@@ -748,6 +753,23 @@ _MESH_SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(a, b, rtol=atol, atol=atol)
       np.testing.assert_allclose(out['single'][1], out['mesh'][1], rtol=10 * atol)
       assert out['single'][2] == out['mesh'][2]
+
+    # A batch committed in another layout (one device, replicated, split on its second
+    # axis) is moved to the step's batch sharding, not refused: same step as from host.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', mesh=mesh,
+                                   donate=False)
+    state = init(train, 'nnx', batchnorm=False)
+    host = batches[0]
+    want = leaves(train.step(state, host)[0].params)
+    for put in (lambda x: jax.device_put(x, jax.devices()[5]),
+                lambda x: jax.device_put(x, NamedSharding(mesh, P())),
+                lambda x: jax.device_put(x, NamedSharding(mesh, P(None, 'data')))
+                if x.ndim == 2 else jax.device_put(x, jax.devices()[1])):
+      committed = {{k: put(v) for k, v in host.items()}}
+      for a, b in zip(leaves(train.step(state, committed)[0].params), want):
+        np.testing.assert_array_equal(a, b)
+      train.eval_step(state, committed)
 
     # Aux over devices and micro-batches: counts summed, flags or-ed, as the whole batch's.
     from test_train import counting_loss
