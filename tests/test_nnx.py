@@ -670,44 +670,18 @@ def test_an_indexable_model_is_indexed_through_the_wrapper_under_the_policy():
     plain[0]  # pylint: disable=pointless-statement
 
 
-class ScannedBlocks(nnx.Module):
-  """Blocks made with nnx.vmap and run with nnx.scan: Flax's stacked-layer pattern."""
-
-  def __init__(self, rngs):
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def blocks(rngs):
-      return MLPBlock(rngs)
-    self.blocks = blocks(rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run(x, block):
-      return block(x)
-    return run(x, self.blocks)
-
-
-class MLPBlock(nnx.Module):
-  def __init__(self, rngs):
-    self.linear = nnx.Linear(8, 8, rngs=rngs)
-    self.mlp = nnx.Linear(8, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.mlp(nnx.relu(self.linear(x)))
-
-
 def test_census_gives_matmuls_inside_nnx_scan_to_their_modules():
-  """nnx.scan re-creates the blocks inside the call: the census still finds their module
+  """nnx.scan re-creates the layers inside the call: the census still finds their module
   (it was the root before, so a float32 rule warned of a hard-coded float32 matmul)."""
-  x = jnp.ones((4, 8))
-  with jaxamp.policy_rules({"blocks/linear": "float32"}):
+  x = normal(4, 8)
+  with jaxamp.policy_rules({"layers/lin": "float32"}):
     with warnings.catch_warnings():
       warnings.filterwarnings("error", message=".*still run in float32.*")
-      out = with_policy(ScannedBlocks(nnx.Rngs(0)), "mixed_bfloat16")(x)
-    s = jaxamp.summary(ScannedBlocks(nnx.Rngs(0)), x, policy="mixed_bfloat16")
+      out = with_policy(Scanned(nnx.Rngs(0)), "mixed_bfloat16")(x)
+    s = jaxamp.summary(Scanned(nnx.Rngs(0)), x, policy="mixed_bfloat16")
   assert out.dtype == BF16
-  assert {r.path: r.matmul_dtypes for r in s.rows} == {
-      "": "", "blocks": "", "blocks/linear": "float32", "blocks/mlp": "bfloat16"}
+  assert {r.path: r.matmul_dtypes for r in s.rows if r.matmul_dtypes} == {
+      "layers/lin": "float32", "last/lin": "bfloat16"}
   assert not s.mismatched
 
 
