@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["cast_floating", "is_floating_array", "is_floating_dtype", "read_as",
-           "narrow_cotangents"]
+           "narrow_cotangents", "overflowed_casts"]
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -103,6 +103,28 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   if isinstance(tree, jax.Array):  # one array (a parameter read): no tree to walk
     return cast_leaf(tree, dtype)
   return jax.tree.map(lambda x: cast_leaf(x, dtype), tree)
+
+
+def overflowed_casts(before: Any, after: Any) -> list[tuple[Any, float, np.dtype]]:
+  """``(key path, largest magnitude before, dtype after)`` of each floating leaf of
+  ``before`` that was finite and whose cast in ``after`` (same structure) is not: a value
+  past the new dtype's range (float16 stops at 65504) stored as inf. The reductions run
+  where the arrays are.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import cast_floating, overflowed_casts
+    >>> w = {'w': jnp.array([1.0, 1e5])}
+    >>> overflowed_casts(w, cast_floating(w, jnp.float16))
+    [((DictKey(key='w'),), 100000.0, dtype('float16'))]
+  """
+  found = []
+  for (path, old), new in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                              jax.tree.leaves(after)):
+    if (is_floating_array(old) and old.dtype != new.dtype
+        and bool(jnp.isfinite(old).all()) and not bool(jnp.isfinite(new).all())):
+      found.append((path, float(jnp.abs(old).max()), np.dtype(new.dtype)))
+  return found
 
 
 # --- parameter reads that keep their half-precision cotangents ------------------------------

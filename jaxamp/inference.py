@@ -21,13 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from jaxamp.casting import is_floating_array
+from jaxamp.casting import is_floating_array, overflowed_casts
 from jaxamp.policy import PolicyLike
 from jaxamp.rules import path_name
 from jaxamp.summary import cast_module_params, module_params
@@ -66,14 +63,8 @@ def _convert_nnx(model: nnx.Module, policy: PolicyLike | None) -> nnx.Module:
 def _check_in_range(before: Any, after: Any) -> None:
   """Refuses a conversion that turned a finite parameter into inf (float16 stops at
   65504), naming the parameters and the fix."""
-  overflowed = []
-  for (path, old), new in zip(jax.tree_util.tree_flatten_with_path(before)[0],
-                              jax.tree.leaves(after)):
-    # Only casts can overflow; the reductions run where the arrays are (no host copy).
-    if (is_floating_array(old) and old.dtype != new.dtype
-        and bool(jnp.isfinite(old).all()) and not bool(jnp.isfinite(new).all())):
-      overflowed.append(f"{path_name(path)} (|max| {float(jnp.abs(old).max()):.4g}, "
-                        f"{np.dtype(new.dtype).name})")
+  overflowed = [f"{path_name(path)} (|max| {big:.4g}, {dtype.name})"
+                for path, big, dtype in overflowed_casts(before, after)]
   if overflowed:
     raise ValueError(
         "convert_for_inference: parameters outside the compute dtype's range would be "

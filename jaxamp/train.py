@@ -67,7 +67,8 @@ from flax.core import meta as flax_meta
 from jaxamp import fp8 as fp8_lib
 from jaxamp import nnx as amp_nnx
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import NarrowCotangents, cast_floating, is_floating_array, narrow_cotangents
+from jaxamp.casting import (NarrowCotangents, cast_floating, is_floating_array,
+                             narrow_cotangents, overflowed_casts)
 from jaxamp.clipping import GLOBAL_NORM, KnownNorm
 from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
@@ -720,8 +721,18 @@ class TrainStep:
       # Read the specs while Linen's partitioning boxes are still on, then drop them.
       self.param_specs = sharding_lib.param_specs(self.param_sharding, params, self.mesh)
       params, model_state = flax_meta.unbox((params, model_state))
+    uncast = params
     params = (self.policy.cast_to_param(params) if plan is None
               else cast_module_params(params, plan, lambda p: p.param_dtype))
+    values = lambda t: jax.tree.map(_value_of, t, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    overflowed = [f"{path_name(path)} (|max| {big:.4g}, {dtype.name})"
+                  for path, big, dtype in overflowed_casts(values(uncast), values(params))]
+    if overflowed:
+      raise ValueError(
+          f"init: parameters of {type(model).__name__} outside the param dtype's range "
+          f"would be stored as inf: {', '.join(overflowed)}. Use a policy with float32 "
+          "params ('mixed_float16'), or bfloat16 (float32's range), or keep their "
+          "modules in float32 with a rule (jaxamp.policy_rules({'<path>': 'float32'})).")
     if self.param_specs is not None:
       # Each parameter is gathered in the compute dtype of the module owning it: the dtype
       # the module casts it to anyway, so the cast before the gather changes no value.

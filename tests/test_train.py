@@ -956,6 +956,18 @@ def test_a_float16_gradient_mean_without_loss_scale_warns():
     assert len(found) == warns, (policy, [str(w.message) for w in seen])
 
 
+def test_a_parameter_past_float16s_range_is_refused_at_init_not_stored_as_inf():
+  model = NNXNet(nnx.Rngs(0), batchnorm=False)
+  model.l2.kernel[...] = model.l2.kernel[...].at[0, 0].set(1e5)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float16")
+  with pytest.raises(ValueError, match=r"inf: l2/kernel \(\|max\| 1e\+05, float16\)"):
+    train.init(model)
+  for policy in ("mixed_float16", "bfloat16"):  # float32 params, float32's range
+    state = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=policy).init(
+        nnx.clone(model))
+    assert np.isfinite(np.asarray(state.params["l2"]["kernel"][...], np.float32)).all()
+
+
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="grad_accum_steps must be >= 1"):
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=0)
