@@ -37,7 +37,6 @@ import contextlib
 import functools
 import operator
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -49,6 +48,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from jaxamp import _warn_once
 from jaxamp.op_lists import BFLOAT16_LISTS, CATEGORIES, DEFAULT_LISTS, AutocastLists
 from jaxamp.policy import _HALF, get_policy, global_policy, PolicyLike
 
@@ -303,15 +303,13 @@ def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], pinned: list[bool],
   return _bind(eqn, invals, eqn.params), [pin] * len(eqn.outvars)
 
 
-_warned_unlisted: set[str] = set()
-
-
 def _warn_unlisted(name: str, invals: Sequence[Any]) -> None:
   """Once per primitive: one no list classifies met floating operands (a newer JAX's)."""
-  if name in _warned_unlisted or not any(_is_float(_dtype(x)) for x in invals):
+  key = ("autocast.unlisted", name)
+  if _warn_once.has_warned(key) or not any(_is_float(_dtype(x)) for x in invals):
     return
-  _warned_unlisted.add(name)
-  warnings.warn(
+  _warn_once.warn_once(
+      key,
       f"jaxamp.autocast: the primitive {name!r} is in no op list, so it runs at the dtypes "
       f"it was traced with. Classify it with jaxamp.AutocastLists().add({name!r}, "
       f"to=...) (to one of {CATEGORIES}) and pass lists= to autocast.", RuntimeWarning,

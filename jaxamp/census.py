@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 import re
-import threading
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jaxamp import _warn_once
 
 __all__ = ["ModuleMatmul", "module_matmuls", "scope_name", "float32_in_half_modules",
            "warn_float32_matmuls", "HALF_DTYPES", "FP8_DTYPES"]
@@ -148,10 +148,6 @@ def float32_in_half_modules(ops: Sequence[ModuleMatmul], modules: Sequence[str],
   return stray, sum(op.flops for op in ops)
 
 
-_warned: set[Any] = set()
-_warned_lock = threading.Lock()
-
-
 def warn_float32_matmuls(model: str, policy: str, stray: Mapping[str, int], total: int,
                          stacklevel: int = 3) -> None:
   """Warns, once per model class and policy, that matmuls stayed in float32.
@@ -161,20 +157,16 @@ def warn_float32_matmuls(model: str, policy: str, stray: Mapping[str, int], tota
     policy: the model-level policy's name.
     stray: ``{module: flops}`` from :func:`float32_in_half_modules`; no warning if empty.
     total: all matmul FLOPs of the call.
-    stacklevel: passed to ``warnings.warn``.
+    stacklevel: as for ``warnings.warn`` (see :func:`jaxamp._warn_once.warn_once`).
   """
   if not stray:
     return
-  key = (model, policy, tuple(sorted(stray)))
-  with _warned_lock:
-    if key in _warned:
-      return
-    _warned.add(key)
   flops = sum(stray.values())
   worst = sorted(stray, key=lambda name: -stray[name])
   shown = ", ".join(repr(name or "(model)") for name in worst[:8])
   more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
-  warnings.warn(
+  _warn_once.warn_once(
+      ("census.float32_matmuls", model, policy, tuple(sorted(stray))),
       f"jaxamp: under policy {policy!r}, {100 * flops / max(total, 1):.1f}% of the matmul "
       f"FLOPs of {model} still run in float32, in modules that compute in half precision "
       f"by policy: {shown}{more}. Their code casts to float32 itself (a hard-coded dtype "

@@ -58,6 +58,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxamp import _warn_once
+
 __all__ = [
     "E4M3",
     "E5M2",
@@ -254,16 +256,17 @@ def _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin):
 
 
 def _fp8_dot_bwd(dims, delayed, margin, residuals, g):
-  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+  from jaxamp._flax_compat import (  # pylint: disable=g-import-not-at-top
+      dot_general_transpose_lhs, dot_general_transpose_rhs)
 
   q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs, lhs_like, rhs_like = residuals
   a_g = _amax(g)
   s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
   q_g = quantize(g, E5M2, s_g)
-  d_lhs = fp8_ops.dot_general_transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
-                                            precision=None, preferred_element_type=_F32)
-  d_rhs = fp8_ops.dot_general_transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
-                                            precision=None, preferred_element_type=_F32)
+  d_lhs = dot_general_transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
+                                    precision=None, preferred_element_type=_F32)
+  d_rhs = dot_general_transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
+                                    precision=None, preferred_element_type=_F32)
   d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_like.dtype)
   d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_like.dtype)
   # The new history leaves as the history's "gradient"; the train step takes it as is.
@@ -376,9 +379,6 @@ def suspended() -> Iterator[None]:
     _local.scopes.pop()
 
 
-_warned_stateless: set[str] = set()
-
-
 def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., Any]:
   """The FP8 ``dot_general`` of the module at ``path`` in the running scope.
 
@@ -389,9 +389,9 @@ def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., An
   scope = _local.scopes[-1] if _local.scopes else None
   meta = scope.state.get(path) if scope is not None and path is not None else None
   if scope is not None and scope.state and meta is None and isinstance(
-      recipe, DelayedScaling) and what not in _warned_stateless:
-    _warned_stateless.add(what)
-    warnings.warn(
+      recipe, DelayedScaling):
+    _warn_once.warn_once(
+        ("fp8.stateless", what),
         f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a layer "
         "inside a scan/vmap transform, or one created during the call): it runs with "
         "current scaling (each tensor scaled by its own amax). Keep it out of FP8 with a "

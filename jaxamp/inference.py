@@ -24,6 +24,7 @@ from typing import Any
 from flax import linen as nn
 from flax import nnx
 
+from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp.casting import is_floating_array, overflowed_casts
 from jaxamp.policy import PolicyLike
 from jaxamp.rules import path_name
@@ -55,7 +56,7 @@ def _convert_nnx(model: nnx.Module, policy: PolicyLike | None) -> nnx.Module:
       if is_floating_array(value) and value.dtype != dtype:
         variables[name].set_value(value.astype(dtype))
         if hasattr(modules[owner], "param_dtype"):
-          object.__setattr__(modules[owner], "param_dtype", dtype)
+          set_attr_unchecked(modules[owner], "param_dtype", dtype)
   _check_in_range(values, {name: v.get_value() for name, v in variables.items()})
   return model
 

@@ -84,9 +84,10 @@ import flax.core
 import flax.linen as nn
 import jax
 import numpy as np
-from flax.core.scope import union_filters
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
+                                 set_attr_unchecked, union_filters)
 from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
@@ -125,12 +126,6 @@ def _inside_lifted(path: Path, lifted: frozenset[Path]) -> bool:
   return any(path[:len(body)] == body for body in lifted)
 
 
-def _is_lifted_body(module: nn.Module) -> bool:
-  # Flax's lifted transforms run a clone of the module bound straight to a scope
-  # (its parent is that scope, not a module); only a top module is bound so otherwise.
-  return isinstance(module.parent, flax.core.Scope) and bool(module.path)
-
-
 def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[], _Plan]]:
   """An interceptor noting each module that runs, and a function returning the plan."""
   found: dict[Path, type] = {(): type(root)}
@@ -138,10 +133,10 @@ def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[], _Plan]
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if module.scope is not None:
+    if linen_is_bound(module):
       path = _module_path(module)
       found.setdefault(path, type(module))
-      if _is_lifted_body(module):
+      if linen_is_lifted_body(module):
         lifted.add(path)
     return next_fun(*args, **kwargs)
 
@@ -328,12 +323,12 @@ def _fields_set(module: nn.Module, fields: Mapping[str, Any]) -> Iterator[None]:
   """``module``'s dataclass fields set to ``fields`` for a ``with`` block."""
   old = {name: vars(module)[name] for name in fields}
   for name, value in fields.items():
-    object.__setattr__(module, name, value)  # Linen modules are frozen dataclasses
+    set_attr_unchecked(module, name, value)  # Linen modules are frozen dataclasses
   try:
     yield
   finally:
     for name, value in old.items():
-      object.__setattr__(module, name, value)
+      set_attr_unchecked(module, name, value)
 
 
 def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
@@ -363,7 +358,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       for i, x in zip(where, arrays):
         full[i] = x
       a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
-      return context.orig_method.func(clone, *a, **k)
+      return linen_unbound_method(context)(clone, *a, **k)
 
     path = _module_path(module)
     mapping.add(path)  # the clone nn.remat runs is already cast
@@ -376,9 +371,9 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     if path not in lifted:
       return next_fun(*args, **kwargs)
     cast_in = lambda cols: _cast_params(cols, policies, _compute_dtype, path, lifted)
-    # InterceptorContext.orig_method is the method bound to the module: map_variables
-    # needs it unbound, to call it on the clone it binds to the cast parameters.
-    method = nn.map_variables(context.orig_method.func, "params", trans_in_fn=cast_in)
+    # map_variables needs the method unbound, to call it on the clone it binds to the
+    # cast parameters.
+    method = nn.map_variables(linen_unbound_method(context), "params", trans_in_fn=cast_in)
     mapping.add(path)
     try:
       return method(module, *args, **kwargs)
@@ -387,7 +382,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if context.method_name == "setup" or module.scope is None:
+    if context.method_name == "setup" or not linen_is_bound(module):
       return next_fun(*args, **kwargs)
     if running and running[-1] is module:
       return next_fun(*args, **kwargs)  # a module calling its own method: already cast
@@ -418,7 +413,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
                      cast_floating(kwargs, compute))
     finally:
       running.pop()
-    if (args and _is_lifted_body(module) and type(out) is tuple and out
+    if (args and linen_is_lifted_body(module) and type(out) is tuple and out
         and _same_layout(out[0], args[0])):
       # An nn.scan body: the carry goes back in the dtypes it came in with.
       carry = jax.tree.map(_cast_like, out[0], args[0])

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import difflib
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any, Union
 
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp import _warn_once
 from jaxamp.casting import cast_floating
 
 __all__ = [
@@ -396,7 +396,6 @@ def get_policy(spec: PolicyLike) -> Policy:
 
 _global = get_policy("float32")
 _local = threading.local()
-_warned: set[tuple[str, str]] = set()
 
 
 def _stack() -> list[Policy]:
@@ -453,17 +452,17 @@ def _fp8_fast_path_missing() -> str | None:
 
 
 def _warn_if_slow(policy: Policy, stacklevel: int) -> None:
-  key = (jax.default_backend(), policy.compute_dtype.name, policy.fp8 is not None)
-  if key in _warned:
+  key = ("policy.slow", jax.default_backend(), policy.compute_dtype.name,
+         policy.fp8 is not None)
+  if _warn_once.has_warned(key):  # checked first: this runs on every policy_scope
     return
   reason = _fast_path_missing(policy)
   if reason is not None:
-    _warned.add(key)
     what = "runs FP8 matmuls" if policy.fp8 is not None else (
         f"computes in {policy.compute_dtype.name}")
-    warnings.warn(f"jaxamp: policy {policy.name!r} {what}, "
-                  f"but {reason}. It will run correctly, not faster.", RuntimeWarning,
-                  stacklevel=stacklevel)
+    _warn_once.warn_once(key, f"jaxamp: policy {policy.name!r} {what}, "
+                         f"but {reason}. It will run correctly, not faster.", RuntimeWarning,
+                         stacklevel=stacklevel)
 
 
 def set_global_policy(spec: PolicyLike) -> None:

@@ -53,12 +53,12 @@ import contextlib
 import functools
 import re
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 import jax.numpy as jnp
 
+from jaxamp import _warn_once
 from jaxamp.policy import Policy, PolicyLike, get_policy
 
 __all__ = [
@@ -392,9 +392,6 @@ def _find_rule(cls: type, path: str) -> Rule | None:
   return best
 
 
-_warned_unmatched: set[Any] = set()
-
-
 def warn_unmatched_path_rules(model: str, paths: Iterable[str], stacklevel: int = 3) -> None:
   """Warns, once per model and rules, of path rules in force that match none of ``paths``
   (a model's module paths): a typo (``'haed'``), a parameter's path (``'head/kernel'``)
@@ -408,13 +405,9 @@ def warn_unmatched_path_rules(model: str, paths: Iterable[str], stacklevel: int 
   if not unmatched:
     return
   shown = [t.pattern if isinstance(t, re.Pattern) else t for t in unmatched]
-  key = (model, tuple(shown))
-  with _lock:
-    if key in _warned_unmatched:
-      return
-    _warned_unmatched.add(key)
   some = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-  warnings.warn(
+  _warn_once.warn_once(
+      ("rules.unmatched", model, tuple(shown)),
       f"jaxamp: the path rule(s) {', '.join(map(repr, shown))} match no module of {model}, "
       f"so they change nothing here. Paths are '/'-joined module paths from the model "
       f"(globs allowed), e.g. {some}; a parameter's own name or a Linen collection is not "

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
-from flax.core import meta
+
+from jaxamp._flax_compat import unbox
 
 __all__ = ["ParamSharding", "fsdp", "annotated", "param_specs", "Collective", "collectives"]
 
@@ -115,7 +116,7 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
       d = max(dims, key=lambda i: (shape[i], -i))
       return P(*([None] * d), entry, *([None] * (len(shape) - d - 1)))
 
-    return jax.tree.map(one, meta.unbox(params))
+    return jax.tree.map(one, unbox(params))
 
   return specs
 
@@ -181,7 +182,7 @@ def param_specs(param_sharding: ParamSharding | Any, params: Any,
     mesh: the mesh.
 
   Returns:
-    A pytree of ``PartitionSpec`` with the structure of ``meta.unbox(params)``.
+    A pytree of ``PartitionSpec`` with the structure of ``flax.core.meta.unbox(params)``.
 
   Raises:
     ValueError: naming the parameter, if a spec names an axis the mesh lacks, uses one
@@ -189,7 +190,7 @@ def param_specs(param_sharding: ParamSharding | Any, params: Any,
       its axes' size does not divide; or if the specs do not match the params' structure.
   """
   specs = param_sharding(params, mesh) if callable(param_sharding) else param_sharding
-  params = meta.unbox(params)
+  params = unbox(params)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   try:
     spec_leaves = treedef.flatten_up_to(specs)

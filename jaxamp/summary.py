@@ -23,6 +23,7 @@ from flax import linen as nn
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp._flax_compat import VARIABLE_VALUE_KEY
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.report import _bytes
@@ -169,8 +170,8 @@ def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tu
 
 def _leaf_name(path: Any) -> str:
   name = path_name(path)
-  if name == "value" or name.endswith("/value"):  # nnx.Variable's own pytree child
-    name = name[:-len("value")].rstrip("/")
+  if name == VARIABLE_VALUE_KEY or name.endswith("/" + VARIABLE_VALUE_KEY):
+    name = name[:-len(VARIABLE_VALUE_KEY)].rstrip("/")  # nnx.Variable's own pytree child
   return name
 
 

@@ -757,9 +757,7 @@ def test_no_work_beyond_the_casts():
                              by_hand(params, x), rtol=1e-6)
 
 
-def test_unlisted_primitive_warns_once_and_runs_as_traced(monkeypatch):
-  # jaxamp.autocast is the function; its module is in sys.modules.
-  monkeypatch.setattr(sys.modules["jaxamp.autocast"], "_warned_unlisted", set())
+def test_unlisted_primitive_warns_once_and_runs_as_traced(fresh_warnings):
   double = jax.extend.core.Primitive("jaxamp_test_double")
   double.def_impl(lambda x: x * 2)
   double.def_abstract_eval(lambda x: x)

@@ -19,7 +19,6 @@ import flax.linen as nn
 
 import jaxamp
 import nnx_models
-from jaxamp import policy as policy_lib
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MAXES = np.array([448.0, 448.0, 57344.0], np.float32)
@@ -109,8 +108,7 @@ def test_bad_fp8_recipes():
     jaxamp.DelayedScaling(amax_history_len=0)
 
 
-def test_fp8_on_cpu_warns_once(monkeypatch):
-  monkeypatch.setattr(policy_lib, "_warned", set())
+def test_fp8_on_cpu_warns_once(fresh_warnings):
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), policy="mixed_fp8")
@@ -479,8 +477,7 @@ def test_linen_module_run_twice_is_refused():
     train.step(state, x)
 
 
-def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(monkeypatch):
-  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
+def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_warnings):
 
   class Block(nn.Module):
     @nn.compact
@@ -510,8 +507,7 @@ def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(monkeypa
   assert text.count("f8E4M3FN") > 0
 
 
-def test_nnx_layers_inside_scan_fall_back_to_current_scaling(monkeypatch):
-  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
+def test_nnx_layers_inside_scan_fall_back_to_current_scaling(fresh_warnings):
 
   class Stack(nnx.Module):
     def __init__(self):
@@ -545,10 +541,9 @@ def test_nnx_layers_inside_scan_fall_back_to_current_scaling(monkeypatch):
   assert text.count("f8E4M3FN") >= 2  # the scanned layers' dots too
 
 
-def test_nnx_layers_with_state_give_no_current_scaling_warning(monkeypatch):
+def test_nnx_layers_with_state_give_no_current_scaling_warning(fresh_warnings):
   """The float32-matmul census the first step traces on a copy of the model (whose
   modules have no state) must not warn that the FP8 layers lack state: they have it."""
-  monkeypatch.setattr(jaxamp.fp8, "_warned_stateless", set())
   model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
                          nnx.Linear(16, 2, rngs=nnx.Rngs(1)))
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)

@@ -236,8 +236,7 @@ def test_scopes_are_thread_local():
                   "main": "mixed_bfloat16"}
 
 
-def test_slow_path_warning_is_given_once(monkeypatch):
-  monkeypatch.setattr(policy_lib, "_warned", set())
+def test_slow_path_warning_is_given_once(monkeypatch, fresh_warnings):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -231,12 +231,10 @@ def test_resolved_trees_are_reused_until_a_rule_changes_and_user_functions_run_e
   assert len(spec.calls) == 2
 
 
-def test_a_path_rule_that_matches_no_module_warns_once_at_init_and_summary(monkeypatch):
+def test_a_path_rule_that_matches_no_module_warns_once_at_init_and_summary(fresh_warnings):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import warnings  # pylint: disable=g-import-not-at-top
-
-  monkeypatch.setattr(jaxamp.rules, "_warned_unmatched", set())
 
   class Net(nnx.Module):
     def __init__(self):

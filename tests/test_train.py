@@ -1097,15 +1097,12 @@ def test_opt_level_excludes_policy():
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32", opt_level="O1")
 
 
-def test_float16_on_cpu_warns_once(monkeypatch):
-  from jaxamp import policy as policy_lib
-
-  monkeypatch.setattr(policy_lib, "_warned", set())
+def test_float16_on_cpu_warns_once(monkeypatch, fresh_warnings):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   with pytest.warns(RuntimeWarning, match="no fast float16 path"):
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_float16")
   with pytest.warns(RuntimeWarning, match="no fast float16 path"):
-    monkeypatch.setattr(policy_lib, "_warned", set())
+    fresh_warnings.reset()
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), opt_level="O1")
 
 

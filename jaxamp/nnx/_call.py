@@ -1,0 +1,306 @@
+"""Running one NNX module method under its policy: the policy-aware subclasses, the
+per-thread call state, and the casts of arguments, Variables and results."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importable)
+
+from jaxamp import _flax_compat
+from jaxamp import fp8 as fp8_lib
+from jaxamp._flax_compat import set_attr_unchecked
+from jaxamp.casting import cast_leaf, is_floating_array, is_floating_dtype
+from jaxamp.census import scope_name
+from jaxamp.nnx._attention import half_dot_product_attention
+from jaxamp.nnx._plan import _base_class
+from jaxamp.nnx._variables import (_keep_dtype, _owned_variables, _read_as, _reads_as_compute,
+                                   _set_attr)
+from jaxamp.policy import Policy
+from jaxamp.rules import resolve_policy
+
+
+# Methods that run under the module's policy, by class (subclasses included). Add your
+# own entry points, e.g. POLICY_METHODS[MyModel] = ('encode',); calls after the edit see it.
+POLICY_METHODS: dict[type, tuple[str, ...]] = {
+    nnx.Module: ("__call__",),
+    nnx.Embed: ("attend",),
+}
+
+_POLICY_ATTR = "_jaxamp_policy"
+# In a census run, each module's scope number: an attribute, not a lookup by id, because
+# the modules NNX transforms re-create inside a call (nnx.scan, nnx.vmap) carry it along.
+_SCOPE_ATTR = "_jaxamp_scope"
+
+
+class _Call(NamedTuple):
+  """One running wrapper call: its model-level policy and options.
+
+  ``scopes`` is set for a census run: ``{id(module): scope number}``, filled by
+  :func:`_applied`, with ``names`` the module path of each number.
+  """
+
+  policy: Policy
+  recompute_norms: bool
+  scopes: dict[int, int] | None = None
+  names: list[str] | None = None
+
+
+class _ThreadState(threading.local):
+  """Per-thread call state: NNX graphs are shared objects, the running calls are not."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls: list[_Call] = []  # the wrapper calls running, innermost last
+    self.stack: list[Policy] = []  # policy of each module call running
+    self.running: set[int] = set()  # ids of modules whose wrapped method is running
+
+
+_state = _ThreadState()
+
+
+# --- the policy-aware subclasses -------------------------------------------------------
+
+
+_methods: dict[type, tuple[str, ...]] = {}
+_methods_source: dict[type, tuple[str, ...]] = {}  # the POLICY_METHODS _methods reflects
+
+
+def _methods_for(cls: type) -> tuple[str, ...]:
+  """The policy methods of ``cls``; remembered per class until POLICY_METHODS changes."""
+  if POLICY_METHODS != _methods_source:  # a small dict: cheaper than the MRO walk
+    _methods.clear()
+    _methods_source.clear()
+    _methods_source.update(POLICY_METHODS)
+  found = _methods.get(cls)
+  if found is None:
+    found = _methods[cls] = _find_methods(cls)
+  return found
+
+
+def _find_methods(cls: type) -> tuple[str, ...]:
+  names: list[str] = []
+  for klass in cls.__mro__:
+    for name in POLICY_METHODS.get(klass, ()):
+      # Look in the class dicts: getattr(cls, '__call__') finds the metaclass's.
+      if name not in names and any(name in vars(k) for k in cls.__mro__):
+        names.append(name)
+  return tuple(names)
+
+
+_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+_classes_lock = threading.Lock()
+
+
+def _policy_class(cls: type) -> type:
+  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
+  key = (cls, _methods_for(cls))
+  sub = _classes.get(key)
+  if sub is not None:
+    return sub
+  with _classes_lock:
+    sub = _classes.get(key)
+    if sub is None:
+      namespace: dict[str, Any] = {
+          "__module__": cls.__module__,
+          "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__,
+          "_jaxamp_base": cls,
+      }
+      for name in key[1]:
+        namespace[name] = _policy_method(getattr(cls, name))
+      sub = _flax_compat.graph_subclass(cls, namespace)
+      _classes[key] = sub
+  return sub
+
+
+def _policy_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+
+  @functools.wraps(fn)
+  def method(self, *args, **kwargs):
+    policy = _policy_for(self)
+    if policy is None:
+      return fn(self, *args, **kwargs)
+    return _run_under(self, fn, policy, args, kwargs)
+
+  return method
+
+
+def _policy_for(module: Any) -> Policy | None:
+  """The policy ``module`` runs under now, or None to run it unchanged."""
+  if not _state.calls or id(module) in _state.running:
+    # No wrapped call in this thread, or a re-entrant call (a method calling another
+    # policy method of the same module): run as is, the policy is already applied.
+    return None
+  policy = vars(module).get(_POLICY_ATTR)
+  if policy is None:  # not seen by the wrapper: inherit the innermost module's policy
+    enclosing = _state.stack[-1] if _state.stack else _state.calls[-1].policy
+    policy = resolve_policy(_base_class(type(module)), "", enclosing)
+  return policy
+
+
+# --- running one module method under a policy ------------------------------------------
+
+
+def _is_node(x: Any) -> bool:
+  return isinstance(x, (nnx.Variable, nnx.Pytree))
+
+
+def _is_plain_array(x: Any) -> bool:
+  """A ``jax.Array`` or an array tracer (not a hijax Variable's): a leaf to cast as is."""
+  if isinstance(x, jax.core.Tracer):
+    return type(x.aval) is jax.core.ShapedArray
+  return isinstance(x, jax.Array)
+
+
+def _cast_values(tree: Any, dtype: np.dtype) -> Any:
+  """Casts floating arrays in ``tree``; Variables, Rngs and modules pass untouched."""
+  # Most calls pass and return plain arrays: no tree to build.
+  if _is_plain_array(tree):
+    return cast_leaf(tree, dtype)
+  if type(tree) is tuple and all(_is_plain_array(x) for x in tree):
+    return tuple(cast_leaf(x, dtype) for x in tree)
+  if type(tree) is dict and not tree:
+    return tree
+  return jax.tree.map(lambda x: x if _is_node(x) else cast_leaf(x, dtype), tree,
+                      is_leaf=_is_node)
+
+
+# Norms, recomputed in the backward pass when they compute wider than their inputs:
+# reverse mode then keeps their half-precision input, not float32 intermediates.
+_RECOMPUTED = frozenset({nnx.LayerNorm.__call__, nnx.RMSNorm.__call__, nnx.GroupNorm.__call__,
+                         nnx.BatchNorm.__call__})
+
+
+def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
+  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
+  return any(is_floating_array(x) and x.dtype.itemsize < compute.itemsize for x in leaves)
+
+
+def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """``fn(module, *args, **kwargs)`` under ``jax.checkpoint``, the cast to ``compute``
+  inside it, so that reverse mode saves the narrower inputs rather than what ``fn``
+  computes from them.
+
+  The module runs as a copy merged inside the checkpoint; the Variables it updates
+  (BatchNorm's statistics) are written back to ``module`` afterwards, through the
+  usual NNX checks. Unchanged ones are not touched, so a model closed over by
+  ``jax.jit`` runs as it would without recomputation.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
+  where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+  graphdef, params, others = nnx.split(module, nnx.Param, ...)
+  updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
+
+  def run(params, others, arrays):
+    copy = nnx.merge(graphdef, params, others, copy=True)
+    before = {path: v.get_raw_value()
+              for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
+    full = list(leaves)
+    for i, x in zip(where, arrays):
+      full[i] = x
+    a, k = jax.tree.unflatten(treedef, full)
+    out = fn(copy, *_cast_values(a, compute), **_cast_values(k, compute))
+    after = nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))
+    new = [(path, v.get_raw_value()) for path, v in after
+           if path in before and v.get_raw_value() is not before[path]]
+    updated[:] = [path for path, _ in new]
+    return out, [value for _, value in new]
+
+  out, values = jax.checkpoint(run)(params, others, [leaves[i] for i in where])
+  variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
+  for path, value in zip(updated, values):
+    variables[path].set_raw_value(value)
+  return out
+
+
+class _LinenUnderPolicy(NamedTuple):
+  """What ``nnx.bridge.ToNNX`` calls in place of its Linen module: the module's ``apply``
+  through :func:`jaxamp.linen.with_policy`, so each Linen submodule gets its policy."""
+
+  module: Any
+  wrapper: Any
+
+  def apply(self, *args: Any, **kwargs: Any) -> Any:
+    return self.wrapper.apply(*args, **kwargs)
+
+  def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
+    return self.module.init_with_output(*args, **kwargs)
+
+
+_linen_wrappers: dict[tuple[int, Policy, bool], _LinenUnderPolicy] = {}
+_LINEN_WRAPPERS_SIZE = 64
+
+
+def _linen_under(module: Any, policy: Policy, recompute_norms: bool) -> _LinenUnderPolicy:
+  """One cached wrapper per Linen module, policy and option: it caches what it learns
+  per shape."""
+  from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+  key = (id(module), policy, recompute_norms)
+  found = _linen_wrappers.get(key)
+  if found is None or found.module is not module:
+    if len(_linen_wrappers) >= _LINEN_WRAPPERS_SIZE:
+      _linen_wrappers.clear()
+    found = _linen_wrappers[key] = _LinenUnderPolicy(
+        module, amp_linen.with_policy(module, policy, recompute_norms=recompute_norms))
+  return found
+
+
+def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  compute = policy.compute_dtype
+  undo: list[Callable[[], None]] = []
+  gather = fn is nnx.Embed.__call__  # a lookup: keep the table, cast the rows
+  bridged = isinstance(module, nnx.bridge.ToNNX)
+  _state.running.add(id(module))
+  _state.stack.append(policy)
+  try:
+    for variable in _owned_variables(module):
+      _keep_dtype(variable, undo)
+      # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
+      if not gather and not bridged and _reads_as_compute(module, variable):
+        _read_as(variable, compute, undo)
+    if bridged:
+      _set_attr(module, _flax_compat.TONNX_MODULE,
+                _linen_under(_flax_compat.tonnx_module(module), policy,
+                             _state.calls[-1].recompute_norms), undo)
+      # ToNNX turns every other attribute into a Linen collection: hide the policy.
+      for attr in (_POLICY_ATTR, _SCOPE_ATTR):
+        if attr in vars(module):
+          saved = vars(module).pop(attr)
+          undo.append(functools.partial(set_attr_unchecked, module, attr, saved))
+    attrs = vars(module)
+    if "dtype" in attrs and (attrs["dtype"] is None or is_floating_dtype(attrs["dtype"])):
+      # A gather looks rows up in the stored dtype: None makes Embed skip its cast.
+      _set_attr(module, "dtype", None if gather else compute, undo)
+    if attrs.get("attention_fn") is nnx.dot_product_attention and policy.is_mixed:
+      _set_attr(module, "attention_fn", half_dot_product_attention, undo)
+    for name, value in fp8_lib.nnx_fields(module, policy).items():  # FP8: jaxamp.fp8
+      _set_attr(module, name, value, undo)
+    call = _state.calls[-1]
+
+    def run() -> Any:
+      if fn in _RECOMPUTED and call.recompute_norms and _widens(args, kwargs, compute):
+        return _recomputed(module, fn, compute, args, kwargs)
+      return fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
+
+    scope = vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None
+    if scope is not None:  # a census run
+      with jax.named_scope(scope_name(scope)):
+        out = run()
+    else:
+      out = run()
+  finally:
+    for step in reversed(undo):
+      step()
+    _state.stack.pop()
+    _state.running.discard(id(module))
+  return _cast_values(out, policy.output_dtype)

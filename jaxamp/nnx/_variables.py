@@ -1,0 +1,157 @@
+"""How a module's Variables read and keep their dtypes inside a call under a policy.
+
+Parameters are read in the compute dtype through the Variable's ``on_get_value`` hook
+(their stored values never change); updates in another dtype are cast back on exit.
+Every change is undone by the ``undo`` steps each function appends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxamp import _flax_compat
+from jaxamp._flax_compat import NNX_BOOKKEEPING_PREFIX, set_attr_unchecked
+from jaxamp.casting import is_floating_array, read_as
+from jaxamp.rules import is_named_attention
+
+_MISSING = object()
+
+
+def _reads_as_compute(module: nnx.Module, variable: nnx.Variable) -> bool:
+  """Whether ``variable`` of ``module`` is read in the compute dtype: a parameter, or the
+  decoding cache of an attention layer (:func:`jaxamp.rules.is_named_attention`: it
+  writes computed keys and values into it; the cache keeps its stored dtype). Any other
+  ``nnx.Cache`` is state a module accumulates (a running sum, a recurrent state): read in
+  the compute dtype, a float32 one would be updated in half precision, so it is read,
+  and updated, in its stored dtype, as ``BatchStat`` is."""
+  return isinstance(variable, nnx.Param) or (
+      isinstance(variable, nnx.Cache) and is_named_attention(type(module)))
+
+# Modules that only hold things: a Param in a module's nnx.List is that module's.
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+
+# How _owned_variables treats an attribute, by type (see _kind).
+_SKIP, _OWN, _SUBMODULE, _ATTRS, _ITEMS, _VALUES = range(6)
+_holds: dict[type, int] = {}
+
+
+def _holding(x: Any) -> int:
+  how = _holds.get(type(x))
+  if how is None:
+    how = (_OWN if isinstance(x, nnx.Variable) else
+           _SUBMODULE if isinstance(x, nnx.Module) and not isinstance(x, _CONTAINERS) else
+           _ATTRS if isinstance(x, nnx.Pytree) else  # nnx.List, nnx.Dict, nnx.Rngs, ...
+           _ITEMS if isinstance(x, (list, tuple)) else
+           _VALUES if isinstance(x, dict) else _SKIP)
+    if not isinstance(x, jax.core.Tracer):  # a tracer may be a hijax Variable
+      _holds[type(x)] = how
+  return how
+
+
+def _owned_variables(module: nnx.Module) -> list[nnx.Variable]:
+  """The Variables ``module`` holds itself: not through a submodule."""
+  found: dict[int, nnx.Variable] = {}
+
+  def visit(x: Any) -> None:
+    how = _holding(x)
+    if how == _OWN:
+      found.setdefault(id(x), x)
+    elif how == _ATTRS:
+      for name, value in vars(x).items():
+        if not name.startswith(NNX_BOOKKEEPING_PREFIX):
+          visit(value)
+    elif how == _ITEMS:
+      for value in x:
+        visit(value)
+    elif how == _VALUES:
+      for value in x.values():
+        visit(value)
+
+  for name, value in vars(module).items():
+    if not name.startswith(NNX_BOOKKEEPING_PREFIX):
+      visit(value)
+  return list(found.values())
+
+
+_hooks: dict[np.dtype, Callable[[Any, Any], Any]] = {}
+
+
+def _cast_hook(dtype: np.dtype) -> Callable[[Any, Any], Any]:
+  """An ``on_get_value`` hook reading a Variable as ``dtype``; one per dtype, so graph
+  definitions that carry it compare equal across calls (jit caches stay warm)."""
+  hook = _hooks.get(dtype)
+  if hook is None:
+    def hook(variable, value, dtype=dtype):
+      del variable
+      return read_as(value, dtype)
+    hook.__name__ = hook.__qualname__ = f"jaxamp_read_as_{dtype.name}"
+    hook = _hooks.setdefault(dtype, hook)
+  return hook
+
+
+def _stored_value(variable: nnx.Variable) -> Any:
+  return variable.get_raw_value()
+
+
+_metadata = _flax_compat.variable_metadata  # None for hijax Variables
+_GET_VALUE_HOOKS = _flax_compat.GET_VALUE_HOOKS
+
+
+def _float_dtype(value: Any) -> np.dtype | None:
+  """The dtype of a floating array or ``jax.Ref`` (Variables made with ``ref=True``)."""
+  if is_floating_array(value) or (isinstance(value, jax.Ref)
+                                  and jnp.issubdtype(value.dtype, jnp.floating)):
+    return np.dtype(value.dtype)
+  return None
+
+
+def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], None]]) -> None:
+  """Makes ``variable`` read as ``dtype`` until ``undo`` runs; its stored value stays."""
+  meta = _metadata(variable)
+  stored = _float_dtype(_stored_value(variable))
+  if meta is None or stored is None or stored == dtype:
+    return
+  previous = meta.get(_GET_VALUE_HOOKS, _MISSING)
+  hooks = () if previous is _MISSING else (
+      previous if isinstance(previous, tuple) else (previous,))
+  meta[_GET_VALUE_HOOKS] = hooks + (_cast_hook(dtype),)
+
+  def restore() -> None:
+    # NNX transforms may have replaced the metadata dict: restore on the current one.
+    current = _metadata(variable)
+    if current is None:
+      return
+    if previous is _MISSING:
+      current.pop(_GET_VALUE_HOOKS, None)
+    else:
+      current[_GET_VALUE_HOOKS] = previous
+
+  undo.append(restore)
+
+
+def _keep_dtype(variable: nnx.Variable, undo: list[Callable[[], None]]) -> None:
+  """Casts an in-call update of ``variable`` back to its stored dtype."""
+  value = _stored_value(variable)
+  if _metadata(variable) is None or not is_floating_array(value):
+    return
+  dtype = value.dtype
+
+  def restore() -> None:
+    new = _stored_value(variable)
+    if is_floating_array(new) and new.dtype != dtype:
+      _flax_compat.set_raw_value_unchecked(variable, new.astype(dtype))
+
+  undo.append(restore)
+
+
+def _set_attr(module: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
+  old = vars(module)[name]
+  set_attr_unchecked(module, name, value)  # no NNX trace-level check: undone below
+  undo.append(lambda: set_attr_unchecked(module, name, old))

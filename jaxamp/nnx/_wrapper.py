@@ -1,0 +1,316 @@
+"""The policy wrapper of an NNX model: :class:`PolicyModule`, :func:`with_policy`,
+:func:`module_policies`, and the check that the policy reaches the matmuls."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp import fp8 as fp8_lib
+from jaxamp._flax_compat import set_attr_unchecked
+from jaxamp.census import float32_in_half_modules, module_matmuls, warn_float32_matmuls
+from jaxamp.nnx._call import (_Call, _SCOPE_ATTR, _POLICY_ATTR, _is_node, _methods_for,
+                              _policy_class, _run_under, _state)
+from jaxamp.nnx._plan import _base_class, _resolve
+from jaxamp.policy import get_policy, global_policy, Policy, PolicyLike
+from jaxamp.rules import path_name
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
+  """Gives every module of ``model`` its policy-aware class and resolved policy."""
+  saved = []
+  pushed = False
+  try:
+    for path, node, node_policy in _resolve(model, call.policy):
+      saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING),
+                    vars(node).get(_SCOPE_ATTR, _MISSING)))
+      if call.scopes is not None:
+        if id(node) not in call.scopes:
+          call.scopes[id(node)] = len(call.names)
+          call.names.append(path_name(path))
+        set_attr_unchecked(node, _SCOPE_ATTR, call.scopes[id(node)])
+      # A nested wrapper resolves its own model; containers have no method to wrap.
+      if not isinstance(node, PolicyModule) and _methods_for(_base_class(type(node))):
+        set_attr_unchecked(node, "__class__", _policy_class(_base_class(type(node))))
+      set_attr_unchecked(node, _POLICY_ATTR, node_policy)
+    _state.calls.append(call)
+    pushed = True
+    yield
+  finally:
+    if pushed:
+      _state.calls.pop()
+    for node, cls, *olds in reversed(saved):
+      set_attr_unchecked(node, "__class__", cls)
+      for attr, old in zip((_POLICY_ATTR, _SCOPE_ATTR), olds):
+        if old is _MISSING:
+          vars(node).pop(attr, None)
+        else:
+          set_attr_unchecked(node, attr, old)
+
+
+class PolicyModule(nnx.Module):
+  """Runs ``module`` with every submodule under its resolved policy.
+
+  It holds ``module`` itself (not a copy), so ``nnx.split``, ``nnx.jit``, ``nnx.grad``
+  and ``nnx.Optimizer`` accept it and its Variables are the model's. Calling it, or
+  any public method of ``module`` through it (``amp.generate(...)``), runs under the
+  policy; rule paths are relative to ``module``. Submodules reached through it
+  (``amp.head``, ``amp.blocks[0]``) are views that run under the whole model's policies
+  too and share its Variables; ``amp.module.head`` is the plain submodule. Make it with
+  :func:`with_policy`.
+
+  Attributes:
+    module: the wrapped model.
+    policy: the model-level policy. Made without one, the wrapper takes
+      :func:`jaxamp.global_policy` once, when it is made: later ``set_global_policy``
+      calls or scopes do not change it, eager or under ``jax.jit`` alike.
+    recompute_norms: whether norms that compute wider than their inputs are recomputed
+      in the backward pass (off by default).
+  """
+
+  def __init__(self, module: nnx.Module, policy: PolicyLike | None = None, *,
+               recompute_norms: bool = False):
+    if not isinstance(module, nnx.Module):
+      raise TypeError(f"with_policy expects a flax.nnx.Module, got {type(module).__name__}; "
+                      "for Linen modules use jaxamp.linen.with_policy.")
+    self.module = module
+    # Resolved now, not per call: a jitted call would otherwise freeze whatever policy was
+    # in force at its trace and silently ignore a later set_global_policy.
+    self.policy = global_policy() if policy is None else get_policy(policy)
+    self.recompute_norms = bool(recompute_norms)
+
+  def _model_policy(self) -> Policy:
+    return self.policy
+
+  def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    if not _state.calls:  # an outermost call: check that the policy reaches the matmuls
+      _check(self, name, args, kwargs)
+    return self._run(name, args, kwargs, _Call(self._model_policy(), self.recompute_norms))
+
+  def matmul_census(self, *args: Any, method: str = "__call__", **kwargs: Any
+                    ) -> tuple[list[Any], list[str], dict[str, Policy]]:
+    """Which module each matmul of a call runs in, and in which dtypes.
+
+    Nothing is computed and the model is not changed: a copy is traced abstractly
+    (``jax.make_jaxpr``).
+
+    Args:
+      *args: the call's arguments (arrays or ``jax.ShapeDtypeStruct``).
+      method: the method to call.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      ``(ops, modules, policies)``: the :func:`jaxamp.census.module_matmuls` census of
+      the forward pass, the ``'/'``-joined module path of each scope number, and each
+      module's resolved policy by path.
+    """
+    return _census(self, method, args, kwargs)
+
+  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call) -> Any:
+    model = self.module
+    with _applied(model, call):
+      if name in _methods_for(_base_class(type(model))):
+        return getattr(model, name)(*args, **kwargs)
+      # Another public method: it runs under the model's own policy too.
+      fn = getattr(_base_class(type(model)), name)
+      return _run_under(model, fn, vars(model)[_POLICY_ATTR], args, kwargs)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._call("__call__", *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names PolicyModule lacks: forward them to the model.
+    model = vars(self).get("module")
+    if model is None or name.startswith("_"):
+      raise AttributeError(name)
+    value = getattr(model, name)
+    if inspect.ismethod(value) and value.__self__ is model:
+      return functools.partial(self._call, name)
+    return self._view(value)
+
+  def __getitem__(self, key: Any) -> Any:
+    # Python looks dunder methods up on the class, past __getattr__: forward indexing
+    # (an nnx.List or nnx.Dict model, or one defining __getitem__) explicitly.
+    model = vars(self).get("module")
+    if not hasattr(model, "__getitem__"):
+      raise TypeError(f"{type(model).__name__} (wrapped by with_policy) cannot be indexed: "
+                      "it defines no __getitem__.")
+    return self._view(model[key])
+
+  def _view(self, value: Any) -> Any:
+    """``value`` itself, or a view running under the policies if it is a submodule."""
+    return _SubmoduleView(self, value) if isinstance(value, nnx.Module) else value
+
+
+class _SubmoduleView:
+  """A submodule reached through a :class:`PolicyModule` (``amp.head``, ``amp.blocks[0]``).
+
+  Calling it, or one of its methods, runs under the whole model's policies, so path rules
+  still count from the model's root.
+  """
+
+  def __init__(self, root: PolicyModule, module: nnx.Module):
+    self._root = root
+    self._module = module
+
+  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    root = self._root
+    with _applied(root.module, _Call(root._model_policy(), root.recompute_norms)):
+      return getattr(self._module, name)(*args, **kwargs)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._run("__call__", args, kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("_"):
+      raise AttributeError(name)
+    value = getattr(self._module, name)
+    if inspect.ismethod(value) and value.__self__ is self._module:
+      return lambda *args, **kwargs: self._run(name, args, kwargs)
+    return self._root._view(value)
+
+  def __getitem__(self, key: Any) -> Any:
+    return self._root._view(self._module[key])
+
+  def __iter__(self) -> Any:
+    return (self._root._view(m) for m in self._module)
+
+  def __len__(self) -> int:
+    return len(self._module)
+
+  def __repr__(self) -> str:
+    return f"_SubmoduleView({type(self._module).__name__})"
+
+
+def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
+                recompute_norms: bool = False) -> PolicyModule:
+  """Returns ``model`` wrapped to run every submodule under its resolved policy.
+
+  Args:
+    model: an ``nnx.Module``, unmodified.
+    policy: the model-level policy (anything :func:`jaxamp.get_policy` accepts); None
+      takes :func:`jaxamp.global_policy` now, once: the wrapper keeps it whatever
+      global policy or scope is in force when it is called (eager or jitted).
+    recompute_norms: recompute norms (``nnx.LayerNorm``, ``nnx.RMSNorm``,
+      ``nnx.GroupNorm``, ``nnx.BatchNorm``) in the backward pass when they compute wider
+      than their inputs (the float32 default inside a half-precision model), so reverse
+      mode keeps their half-precision inputs instead of float32 intermediates. Saves
+      activation memory, costs time: off by default. Forward results are the same
+      either way.
+
+  Returns:
+    A :class:`PolicyModule` sharing ``model``'s Variables: call it instead of ``model``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    >>> with jaxamp.policy_scope('mixed_bfloat16'):
+    ...   amp = jaxamp.nnx.with_policy(model)  # takes the policy in force now
+    >>> amp(jnp.ones((1, 4))).dtype  # and keeps it outside the scope
+    dtype(bfloat16)
+  """
+  return PolicyModule(model, policy, recompute_norms=recompute_norms)
+
+
+def module_policies(model: nnx.Module, policy: PolicyLike | None = None
+                    ) -> list[tuple[str, type, Policy]]:
+  """The policy every module of ``model`` runs under.
+
+  Args:
+    model: an NNX module, or a :class:`PolicyModule` (its model and policy are used).
+    policy: the model-level policy; None means the wrapper's policy, else
+      :func:`jaxamp.global_policy`.
+
+  Returns:
+    ``(path, class, policy)`` for every module, in ``nnx.iter_graph`` order (children
+    before parents); paths are ``'/'``-joined and the model's own is ``''``.
+
+  Example:
+    >>> import jaxamp
+    >>> from flax import nnx
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=rngs), nnx.LayerNorm(2, rngs=rngs))
+    >>> for path, cls, p in jaxamp.nnx.module_policies(model, 'mixed_float16'):
+    ...   print(repr(path), cls.__name__, p.name)
+    'layers/0' Linear mixed_float16
+    'layers/1' LayerNorm params=float32,compute=float32,output=float16
+    'layers' List mixed_float16
+    '' Sequential mixed_float16
+  """
+  if isinstance(model, PolicyModule):
+    if policy is None:
+      policy = model.policy
+    model = model.module
+  root = global_policy() if policy is None else get_policy(policy)
+  return [(path_name(path), _base_class(type(node)), p)
+          for path, node, p in _resolve(model, root)]
+
+
+# --- did the policy reach the matmuls? ----------------------------------------------------
+
+_checked: set[Any] = set()
+_CHECKED_SIZE = 256
+
+
+def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
+  """The matmul census of ``wrapper``'s ``name`` call, traced on a copy of the model."""
+  graphdef, state = nnx.split(wrapper.module)
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  arrays = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+  call = _Call(wrapper._model_policy(), wrapper.recompute_norms, {}, [])
+
+  def run(state, *dynamic):
+    copy = PolicyModule(nnx.merge(graphdef, state), wrapper.policy,
+                        recompute_norms=wrapper.recompute_norms)
+    it = iter(dynamic)
+    a, k = jax.tree.unflatten(treedef, [next(it) if is_array else x
+                                        for x, is_array in zip(leaves, arrays)])
+    out = copy._run(name, a, k, call)
+    return [x for x in jax.tree.leaves(out) if hasattr(x, "shape") and hasattr(x, "dtype")]
+
+  # The copy's modules are new objects: number them as _applied meets them. Traced
+  # inside a train step, the copy must not read (or warn of missing) FP8 state.
+  with fp8_lib.suspended():
+    jaxpr = jax.make_jaxpr(run)(state, *(x for x, a in zip(leaves, arrays) if a))
+  policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
+  return module_matmuls(jaxpr), call.names, policies
+
+
+def _check(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> None:
+  """Warns once if a module computing in half by policy leaves matmuls in float32.
+
+  Checked once per model class, policy, method and input shapes; skipped when nothing
+  computes in half, or when the call takes graph nodes (``nnx.Rngs``, modules).
+  """
+  policy = wrapper._model_policy()
+  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
+  key = (_base_class(type(wrapper.module)), policy, name,
+         tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
+               for x in leaves))
+  if key in _checked:  # checked first: this runs on every outermost call
+    return
+  if len(_checked) >= _CHECKED_SIZE:
+    _checked.clear()
+  _checked.add(key)
+  if any(_is_node(x) for x in leaves):
+    return
+  if all(p.compute_dtype.itemsize >= 4 for _, _, p in _resolve(wrapper.module, policy)):
+    return
+  ops, names, by_name = _census(wrapper, name, args, kwargs)
+  stray, total = float32_in_half_modules(
+      ops, names, {n: p.compute_dtype for n, p in by_name.items()})
+  warn_float32_matmuls(_base_class(type(wrapper.module)).__name__,
+                       wrapper._model_policy().name, stray, total, stacklevel=5)
