@@ -229,7 +229,7 @@ def test_gpt2_skip_holds_half_gradients_and_steps_as_the_float32_held_program(
   def run(patched):
     with monkeypatch.context() as m:
       if patched:
-        m.setattr(jaxamp.train, "_held", lambda grad, opt_grad, found: (opt_grad, None))
+        m.setattr(jaxamp.train.update, "_held", lambda grad, opt_grad, found: (opt_grad, None))
       train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-6), policy="mixed_bfloat16",
                                      donate=False)
       state = train.init(module, gpt2_variables, *gpt2_inputs(ids))

@@ -589,7 +589,7 @@ def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
   def run(patched):
     with monkeypatch.context() as m:
       if patched:
-        m.setattr(jaxamp.train, "_held", lambda grad, opt_grad, found: (opt_grad, None))
+        m.setattr(jaxamp.train.update, "_held", lambda grad, opt_grad, found: (opt_grad, None))
       # SGD by a power of two: each update is its gradient's bits, however XLA fuses it.
       train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-4), policy=policy,
                                      donate=False)
@@ -1399,3 +1399,65 @@ def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after(a
     assert not errors and gc.get_threshold() == (found[0], found[1], 7)
   finally:
     gc.set_threshold(*found)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_step_fn_under_the_users_jit_and_scan_steps_as_train_step(api):
+  """train.step_fn, the pure step, run inside the user's own jax.jit (and lax.scan over
+  batches, an overflowing one included) gives the state and metrics train.step gives,
+  bit for bit: the same skip, the same loss scale, the same BatchNorm statistics."""
+  batches = make_batches(3)
+  batches[1] = {"x": batches[1]["x"] * np.inf, "y": batches[1]["y"]}  # overflows
+  eval_fn = (loss_fn if api == "nnx"
+             else lambda model, batch: xent(model(batch["x"], train=False), batch["y"]))
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy="mixed_float16",
+                                 donate=False, eval_fn=eval_fn)
+  with pytest.raises(RuntimeError, match="init"):
+    train.step_fn  # pylint: disable=pointless-statement
+  state = init(train, api, dropout=0.1)
+  expected, metrics = state, []
+  for b in batches:
+    expected, m = train.step(expected, b)
+    metrics.append(m)
+  assert [int(m["skipped_steps"]) for m in metrics] == [0, 1, 1]
+
+  got = state
+  jitted = jax.jit(train.step_fn)
+  for b in batches:
+    got, m = jitted(got, b)
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+  scanned, scan_metrics = jax.jit(lambda s, bs: jax.lax.scan(train.step_fn, s, bs))(
+      state, stacked)
+  data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  for other in (got, scanned):
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(other)):
+      np.testing.assert_array_equal(np.asarray(data(a)), np.asarray(data(b)))
+  np.testing.assert_array_equal(scan_metrics["loss_scale"],
+                                [float(m["loss_scale"]) for m in metrics])
+  assert float(jax.jit(train.eval_step_fn)(expected, batches[0])) == float(
+      train.eval_step(expected, batches[0]))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_a_model_kept_from_train_model_survives_the_donating_steps_after_it(api):
+  """train.model(state) copies the arrays when the step donates: "the best so far" kept
+  from it still runs after later steps consumed that state, and holds its values."""
+  batches = make_batches(3)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
+  state = init(train, api, batchnorm=False)
+  state, _ = train.step(state, batches[0])
+  kept = train.model(state)
+  shared = train.model(state, copy=False)
+  kernel = np.asarray(jax.tree.leaves(state.params)[0])
+  for b in batches[1:]:
+    state, _ = train.step(state, b)
+  if api == "nnx":
+    kept(batches[0]["x"])  # runs: its arrays were not donated
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(nnx.state(kept, nnx.Param))[0]),
+                                  kernel)
+    assert any(x.is_deleted() for x in jax.tree.leaves(nnx.state(shared, nnx.Param)))
+  else:
+    module, variables = kept
+    module.apply(variables, batches[0]["x"])
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(variables["params"])[0]), kernel)
+    assert any(x.is_deleted() for x in jax.tree.leaves(shared[1]["params"]))

@@ -1,0 +1,116 @@
+"""Model adapters: how a model is split into train state and called from that state.
+
+An adapter is what the train step knows of a model library. It has
+
+- ``uses_rng``: whether the step's key feeds the model (Linen's ``'dropout'`` stream);
+- ``bind(params, model_state, rng, policy, *, train, float32_outputs)`` -> ``(model,
+  new_state)``: the model ``loss_fn`` receives, running under its policies, and a
+  function returning its model state after the calls made so far;
+- ``model(state)``: the model with a :class:`~jaxamp.TrainState`'s arrays.
+
+A new model library needs an adapter here and a branch in ``init.split_model`` that
+finds its parameters, model state and per-module policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp import fp8 as fp8_lib
+from jaxamp import nnx as amp_nnx
+from jaxamp.casting import cast_floating
+from jaxamp.rules import path_name
+from jaxamp.train.loss import F32
+from jaxamp.train.state import TrainState
+
+__all__ = ["NNXAdapter", "LinenAdapter", "Float32Outputs"]
+
+
+class Float32Outputs(amp_nnx.PolicyModule):
+  """The model an NNX ``loss_fn`` receives: a policy wrapper (an ``nnx.Module``, so
+  ``nnx.state``, ``nnx.split`` and ``nnx.merge`` see the model's Variables) whose calls
+  and public methods hand their floating outputs over in float32. Submodules reached
+  through it run under the policy and return their own dtypes."""
+
+  def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    return cast_floating(super()._call(name, *args, **kwargs), F32)
+
+  def __getitem__(self, key: Any) -> Any:
+    if not hasattr(self.module, "__getitem__"):
+      raise TypeError(f"loss_fn indexed the model with {key!r}, as if it were the batch: "
+                      "loss_fn is called as loss_fn(model, batch). Are its arguments "
+                      "swapped?")
+    return super().__getitem__(key)  # a submodule runs under the policy, as attributes do
+
+
+@dataclasses.dataclass
+class NNXAdapter:
+  """An NNX model: its ``nnx.Param`` s are the params, every other Variable model state."""
+
+  graphdef: Any
+  recompute_norms: bool = False
+  uses_rng = False  # NNX models carry their RNG streams in model_state
+
+  @staticmethod
+  def split(model: nnx.Module) -> tuple[Any, Any, Any]:
+    return nnx.split(model, nnx.Param, ...)
+
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+    del rng  # NNX models carry their RNG streams in model_state
+
+    # merge() reuses the State's Variable objects; rebuilding them here puts them at this
+    # trace level, so the model may update BatchNorm statistics and RNG counts under grad.
+    params, model_state = jax.tree.map(lambda x: x, (params, model_state))
+    model = nnx.merge(self.graphdef, params, model_state)
+    fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
+    if not train:
+      model.eval()
+    kind = Float32Outputs if float32_outputs else amp_nnx.PolicyModule
+    view = kind(model, policy, recompute_norms=self.recompute_norms)
+    return view, lambda: nnx.split(model, nnx.Param, ...)[2]
+
+  def model(self, state: TrainState) -> nnx.Module:
+    return nnx.merge(self.graphdef, state.params, state.model_state)
+
+
+@dataclasses.dataclass
+class LinenAdapter:
+  """A Linen module: its ``'params'`` collection is the params, the other collections
+  the model state; ``loss_fn`` gets a callable that applies the module."""
+
+  module: Any
+  recompute_norms: bool = False
+  uses_rng = True  # the step key feeds Linen's 'dropout' stream
+  _wrapped: Any = None
+
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+    from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
+
+    # One wrapper, so its plan cache serves every trace (step and eval); the step binds
+    # with its one policy.
+    if self._wrapped is None or self._wrapped.policy != policy:
+      self._wrapped = amp_linen.with_policy(self.module, policy,
+                                            recompute_norms=self.recompute_norms)
+    wrapped = self._wrapped
+    cell = {"state": dict(model_state), "calls": 0}
+    mutable = list(model_state) if train else False
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+      rngs = {"dropout": jax.random.fold_in(rng, cell["calls"])}
+      cell["calls"] += 1
+      variables = {"params": params, **cell["state"]}
+      if mutable:
+        out, new_state = wrapped.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
+        cell["state"] = dict(new_state)
+      else:
+        out = wrapped.apply(variables, *args, rngs=rngs, **kwargs)
+      return cast_floating(out, F32) if float32_outputs else out
+
+    return apply, lambda: cell["state"]
+
+  def model(self, state: TrainState) -> tuple[Any, dict[str, Any]]:
+    return self.module, {"params": state.params, **state.model_state}

@@ -1,0 +1,164 @@
+"""Stage three of the step: gradients and statistics combined across devices.
+
+With a mesh, :func:`grads` runs the gradient stage per device inside ``jax.shard_map``
+on that device's part of the batch, then
+
+- data parallel (params replicated): averages the gradients with ``lax.pmean`` in
+  ``grad_reduce_dtype``;
+- sharded (``param_sharding``): all-gathers each param slice in its compute dtype
+  before the forward pass and reduce-scatters the gradients back to the params' layout;
+
+and in both averages the loss, combines ``loss_fn``'s aux, averages floating model
+state and takes the FP8 amaxes' maximum, so every device leaves with the same values.
+Without a mesh it is the gradient stage itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp import fp8 as fp8_lib
+from jaxamp import sharding as sharding_lib
+from jaxamp.casting import is_floating_array
+from jaxamp.train import layout
+from jaxamp.train.gradients import loss_and_grads
+from jaxamp.train.loss import F32, combine_aux
+from jaxamp.train.plan import Plan
+from jaxamp.train.state import TrainState, is_key
+
+__all__ = ["grads"]
+
+P = jax.sharding.PartitionSpec
+
+
+def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array
+          ) -> tuple[Any, jax.Array, Any, Any, Any]:
+  """``loss_and_grads`` over the whole (global) batch: ``(grads, loss, aux,
+  model_state, fp8)``, gradients in the params' layout."""
+  if plan.mesh is None:
+    return loss_and_grads(plan, state.params, state.model_state, batch, rng, scale,
+                          state.fp8)
+  if plan.sharded:
+    return _sharded_grads(plan, state, batch, scale, rng)
+  return _data_parallel_grads(plan, state, batch, scale, rng)
+
+
+def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
+                         rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
+  axes = plan.options.batch_axes
+  dt = plan.options.grad_reduce_dtype
+
+  def local(params, model_state, batch, rng, scale, fp8):
+    rng, keys = _per_device_keys(rng, model_state, axes)
+    grads, loss, aux, new_state, new_fp8 = loss_and_grads(
+        plan, params, keys, batch, rng, scale, fp8)
+    grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axes).astype(g.dtype),
+                         grads)
+    return (grads, *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)),
+            fp8_lib.reduce_state(new_fp8, fp8, plan.fp8_recipes, axes))
+
+  sharded = jax.shard_map(local, mesh=plan.mesh,
+                          in_specs=(P(), P(), P(axes), P(), P(), P()),
+                          out_specs=P(), check_vma=False)
+  return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
+                 scale, state.fp8)
+
+
+def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
+                   rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
+  axes = plan.options.batch_axes
+
+  def local(params, model_state, batch, rng, scale, fp8):
+    rng, keys = _per_device_keys(rng, model_state, axes)
+    full = _gather(plan, params)
+    grads, loss, aux, new_state, new_fp8 = loss_and_grads(
+        plan, full, keys, batch, rng, scale, fp8, keep_float32=True)
+    return (_reduce_scatter(plan, grads, params),
+            *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)),
+            fp8_lib.reduce_state(new_fp8, fp8, plan.fp8_recipes, axes))
+
+  specs = plan.param_specs
+  sharded = jax.shard_map(local, mesh=plan.mesh,
+                          in_specs=(specs, P(), P(axes), P(), P(), P()),
+                          out_specs=(specs, P(), P(), P(), P()), check_vma=False)
+  return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
+                 scale, state.fp8)
+
+
+def _reduce(axes: Any, loss: jax.Array, aux: Any, model_state: Any) -> tuple[Any, Any, Any]:
+  """Inside shard_map: the loss, aux and model state averaged over the batch axes (the
+  floating leaves; counters and keys as they are)."""
+  return (jax.lax.pmean(loss, axes), combine_aux(aux, over_devices=axes),
+          _mean_floats(model_state, axes))
+
+
+def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.Array, Any]:
+  """Inside ``shard_map``: the step key and the key streams the model carries (NNX Rngs)
+  with this device's index on ``axes`` folded in, so each device draws its own dropout
+  masks. :func:`_shared_keys` hands the shared keys back afterwards."""
+  index = jax.lax.axis_index(axes)
+  keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if is_key(x) else x,
+                      model_state)
+  return jax.random.fold_in(rng, index), keys
+
+
+def _shared_keys(new_state: Any, model_state: Any) -> Any:
+  """``new_state`` with the model's PRNG keys as they were before the per-device fold."""
+  return jax.tree.map(lambda n, o: o if is_key(o) else n, new_state, model_state)
+
+
+def _mean_floats(tree: Any, axes: Any) -> Any:
+  """Inside ``shard_map``: floating leaves averaged over ``axes``, the rest as they are."""
+  return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
+                      if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
+
+
+def _gather(plan: Plan, params: Any) -> Any:
+  """Inside shard_map: each param slice cast to its compute dtype, then all-gathered."""
+  leaves, treedef = jax.tree.flatten(params)
+  specs = treedef.flatten_up_to(plan.param_specs)
+  out = []
+  for x, spec, dtype in zip(leaves, specs, plan.gather_dtypes):
+    x = x.astype(dtype) if is_floating_array(x) else x
+    for d, entry in enumerate(spec):
+      if entry is not None:
+        x = jax.lax.all_gather(x, sharding_lib.axis_names(entry), axis=d, tiled=True)
+    out.append(x)
+  return treedef.unflatten(out)
+
+
+def _reduce_scatter(plan: Plan, grads: Any, params: Any) -> Any:
+  """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
+  over the batch axes and scattered to its param's layout, then averaged."""
+  mesh, axes = plan.mesh, plan.options.batch_axes
+  n = sharding_lib.axis_size(mesh, axes)
+  leaves, treedef = jax.tree.flatten(grads)
+  specs = treedef.flatten_up_to(plan.param_specs)
+  out = []
+  for g, spec, p in zip(leaves, specs, jax.tree.leaves(params)):
+    out_dtype = F32 if plan.master_weights else p.dtype
+    g = g.astype(plan.options.grad_reduce_dtype)
+    summed: tuple[str, ...] = ()
+    for d, entry in enumerate(spec):
+      # An entry's axes split the dimension major to minor; each run of batch axes is
+      # summed and scattered, each run of other axes (storage only: every device along
+      # them has the same gradient) sliced, in that order. An entry may mix both kinds
+      # (('data', 'model') with batch axis 'data').
+      for is_batch, run in itertools.groupby(sharding_lib.axis_names(entry),
+                                             key=lambda a: a in axes):
+        names = tuple(run)
+        if is_batch:
+          g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
+          summed += names
+        else:
+          size = g.shape[d] // sharding_lib.axis_size(mesh, names)
+          g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(names) * size, size, d)
+    rest = tuple(a for a in axes if a not in summed)
+    if rest:
+      g = jax.lax.psum(g, rest)
+    out.append((g / n).astype(out_dtype))
+  return treedef.unflatten(out)

@@ -1,0 +1,103 @@
+"""Stages one and two of the step: the scaled loss's gradients, and their accumulation.
+
+:func:`loss_and_grads` runs ``loss_fn`` on the model bound to the params under its
+policies, differentiates the loss times the loss scale, and with ``grad_accum_steps``
+sums the micro-batches' gradients in float32 inside a ``lax.scan``. It works on one
+device's data; ``devices`` wraps it for a mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp import fp8 as fp8_lib
+from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
+from jaxamp.train.plan import Plan, autocast_under_level
+
+__all__ = ["loss_and_grads"]
+
+
+def _grad_fn(plan: Plan, weight: jax.Array) -> Callable[..., Any]:
+  """``(params, fp8, model_state, batch, key) -> (grads, new fp8, (loss, aux, new model
+  state))``: the gradients of the loss times ``weight``, and the FP8 state moved by the
+  forward pass's amaxes and (through its histories' cotangent) the backward pass's."""
+  options = plan.options
+  used: set[str] = set()  # FP8 modules that ran, known once traced
+
+  def scaled_loss(p, f8, ms, mb, key):
+    with fp8_lib.state_scope(f8) as scope:
+      model, new_state = plan.adapter.bind(p, ms, key, options.policy, train=True,
+                                           float32_outputs=options.float32_outputs)
+      loss, aux = split_loss(call_user(options.loss_fn, model, mb), options.has_aux)
+      used.update(scope.used if scope is not None else ())
+    return loss * weight, (loss, aux, new_state())
+
+  raw_grad_fn = jax.grad(autocast_under_level(options, scaled_loss, batch_argnum=3),
+                         argnums=(0, 1), has_aux=True)
+
+  def grad_fn(p, f8, ms, mb, key):
+    (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
+    if f8:
+      f8 = fp8_lib.merge_state(f8, f8_cot, used, plan.fp8_recipes)
+    return g, f8, out
+
+  return grad_fn
+
+
+def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: jax.Array,
+                   scale: jax.Array, fp8: Any = None, keep_float32: bool = False
+                   ) -> tuple[Any, jax.Array, Any, Any, Any]:
+  """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
+  with ``keep_float32``), and the new FP8 state.
+
+  Returns:
+    ``(grads, loss, aux, model_state, fp8)``: the gradients of the loss times
+    ``scale``, the (unscaled, float32) loss, ``loss_fn``'s aux combined over
+    micro-batches, and the model state and FP8 state after the step's forward passes.
+  """
+  k = plan.options.grad_accum_steps
+  # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
+  # k before scaling), so its float16 backward pass carries the values of the k=1 step's
+  # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
+  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k)
+  if k == 1:
+    grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
+    return grads, loss, aux, model_state, fp8
+  return _accumulated(plan, grad_fn, params, model_state, batch, rng, fp8, keep_float32)
+
+
+def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_state: Any,
+                 batch: Any, rng: jax.Array, fp8: Any, keep_float32: bool
+                 ) -> tuple[Any, jax.Array, Any, Any, Any]:
+  """``grad_fn`` over the batch's ``grad_accum_steps`` micro-batches in a ``lax.scan``,
+  the gradients summed in float32, the model and FP8 state threaded through."""
+  k = plan.options.grad_accum_steps
+
+  def split(x):
+    if x.shape[0] % k:
+      raise ValueError(f"grad_accum_steps={k} must divide the batch size {x.shape[0]} "
+                       "(per device, with a mesh).")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+  micro = jax.tree.map(split, batch)
+  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+
+  def body(carry, xs):
+    acc, ms, f8 = carry
+    mb, i = xs
+    g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, jax.random.fold_in(rng, i))
+    acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
+    return (acc, ms, f8), (loss, aux)
+
+  (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
+      body, (acc0, model_state, fp8), (micro, jnp.arange(k)))
+  # Accumulated in float32. Master weights take them so; otherwise they go on in each
+  # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
+  # trace).
+  grads = jax.tree.map(lambda a, p: a.astype(
+      F32 if plan.master_weights or keep_float32 else p.dtype), acc, params)
+  return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8

@@ -1,0 +1,163 @@
+"""The first train state, and the :class:`~jaxamp.train.plan.Plan` the step runs.
+
+:func:`init` reads the model once: which modules it has and each one's policy (so each
+parameter is stored in its owner's param dtype), which FP8 modules keep state, how the
+params are laid out on the mesh, whether master weights are needed, and the optimizer's
+loss scale. Everything it learns goes into the plan; the state holds only arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxamp import _flax_compat
+from jaxamp import fp8 as fp8_lib
+from jaxamp import linen as amp_linen
+from jaxamp import nnx as amp_nnx
+from jaxamp import sharding as sharding_lib
+from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
+from jaxamp.rules import asks_for_fp8, path_name, warn_unmatched_path_rules
+from jaxamp.summary import cast_module_params
+from jaxamp.train import optimizer as optimizer_lib
+from jaxamp.train.adapters import LinenAdapter, NNXAdapter
+from jaxamp.train.loss import F32
+from jaxamp.train.plan import Options, Plan, level_rules
+from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
+
+__all__ = ["init"]
+
+
+class _Split(NamedTuple):
+  """A model taken apart: its adapter, arrays, and per-module policies (None: unknown)."""
+
+  adapter: Any
+  params: Any
+  model_state: Any
+  rows: list[Any] | None  # (path, class, policy) per module
+  fp8_rows: list[Any] | None  # the rows of modules that keep FP8 state
+
+
+def unwrap(options: Options, model: Any) -> tuple[Any, bool]:
+  """``model`` without a jaxamp policy wrapper, and whether the wrapper asked for
+  recomputed norms; refuses a wrapper whose policy is not the step's."""
+  if isinstance(model, (amp_nnx.PolicyModule, amp_linen.LinenPolicy)):
+    if model.policy is not None and model.policy != options.policy:
+      raise ValueError(
+          f"init got a model wrapped with policy {model.policy.name!r}, but this train "
+          f"step's policy is {options.policy.name!r}. Pass the unwrapped model (the train "
+          "step applies its own policy), or make the step with the same policy.")
+    return model.module, model.recompute_norms
+  return model, False
+
+
+def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
+                 example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any]) -> _Split:
+  policy = options.policy
+  if isinstance(model, nnx.Module):
+    if variables is not None or example_args or example_kwargs:
+      raise ValueError("init(model) takes no variables or example inputs for an NNX "
+                       "model.")
+    rows = amp_nnx.module_policies(model, policy)
+    fp8_rows = rows
+    if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in rows):
+      # Layers holding one kernel per nnx.scan step run FP8 with current scaling.
+      stacked = {path_name(path) for path, node in nnx.iter_graph(model)
+                 if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
+      fp8_rows = [row for row in rows if row[0] not in stacked]
+    graphdef, params, model_state = NNXAdapter.split(model)
+    return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows)
+  if variables is None or "params" not in variables:
+    raise ValueError("For a Linen module call init(module, variables), where variables "
+                     "is module.init(...)'s result with a 'params' collection.")
+  rows = fp8_rows = None
+  if example_args or example_kwargs:
+    rows, lifted = amp_linen.module_plan(model, None, *example_args, policy=policy,
+                                         **example_kwargs)
+    # Layers inside nn.scan & co. run FP8 with current scaling: no state for them.
+    fp8_rows = [row for row in rows if row[0] not in lifted]
+  if rows is None and asks_for_fp8(policy):
+    raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
+                     "train.init(module, variables, *example_args) finds the Dense "
+                     "layers that keep FP8 state from them.")
+  model_state = {k: v for k, v in variables.items() if k != "params"}
+  return _Split(LinenAdapter(model, recompute), variables["params"], model_state, rows,
+                fp8_rows)
+
+
+def _stored(options: Options, params: Any, rows: list[Any] | None, model: str) -> Any:
+  """``params`` cast to their owners' param dtypes; refuses a value that would be inf."""
+  policy = options.policy
+  cast = (policy.cast_to_param(params) if rows is None
+          else cast_module_params(params, rows, lambda p: p.param_dtype))
+  values = lambda t: jax.tree.map(value_of, t, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  overflowed = [f"{path_name(path)} (|max| {big:.4g}, {dtype.name})"
+                for path, big, dtype in overflowed_casts(values(params), values(cast))]
+  if overflowed:
+    raise ValueError(
+        f"init: parameters of {model} outside the param dtype's range "
+        f"would be stored as inf: {', '.join(overflowed)}. Use a policy with float32 "
+        "params ('mixed_float16'), or bfloat16 (float32's range), or keep their "
+        "modules in float32 with a rule (jaxamp.policy_rules({'<path>': 'float32'})).")
+  return cast
+
+
+def init(options: Options, model: Any, variables: Mapping[str, Any] | None = None,
+         *example_args: Any, **example_kwargs: Any) -> tuple[TrainState, Plan]:
+  """The first state for ``model`` and the plan of the step that trains it (the state
+  not yet placed on the mesh). See :meth:`jaxamp.TrainStep.init`."""
+  model, recompute = unwrap(options, model)
+  # Each init decides afresh: a wrapped model's request does not outlive it.
+  recompute = options.recompute_norms or recompute
+  with level_rules(options):
+    split = _split_model(options, model, recompute, variables, example_args, example_kwargs)
+  name = type(model).__name__
+  rows = split.rows
+  if rows is not None:
+    warn_unmatched_path_rules(name, [row[0] for row in rows], stacklevel=4)
+  check_trainable(split.params, name)
+  params, model_state, specs, gather_dtypes = split.params, split.model_state, None, None
+  if options.param_sharding is not None:
+    # Read the specs while Linen's partitioning boxes are still on, then drop them.
+    specs = sharding_lib.param_specs(options.param_sharding, params, options.mesh)
+    params, model_state = _flax_compat.unbox((params, model_state))
+  params = _stored(options, params, rows, name)
+  if specs is not None:
+    # Each parameter is gathered in the compute dtype of the module owning it: the dtype
+    # the module casts it to anyway, so the cast before the gather changes no value.
+    compute = jax.eval_shape(lambda p: (
+        options.policy.cast_to_compute(p) if rows is None
+        else cast_module_params(p, rows, lambda q: q.compute_dtype)), params)
+    gather_dtypes = tuple(x.dtype for x in jax.tree.leaves(compute))
+  master_weights = options.master_weights
+  if master_weights is None:
+    master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
+                         for x in jax.tree.leaves(params))
+  built = optimizer_lib.build(options, params)
+  opt_params = params
+  if master_weights:
+    # A copy where a parameter is float32 already: the state must not hold one buffer
+    # twice (the step donates it).
+    opt_params = jax.tree.map(lambda m, p: jnp.copy(m) if m is p else m,
+                              cast_floating(params, F32), params)
+  opt_state = built.optimizer.init(opt_params)
+  if master_weights:
+    opt_state = MasterWeightsState(opt_params, opt_state)
+  # FP8 amax histories and scales: their own field, out of the optimizer's reach.
+  fp8_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
+  if rows is not None:
+    fp8_lib.warn_if_unused(rows, name)
+  state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
+                     model_state=model_state, rng=jax.random.key(options.seed),
+                     fp8=fp8_state or None)
+  plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
+              master_weights=bool(master_weights), recompute_norms=recompute,
+              unit_scale=built.unit_scale, overflow=built.overflow,
+              fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
+                           if split.fp8_rows is not None else {}),
+              param_specs=specs, gather_dtypes=gather_dtypes)
+  return state, plan

@@ -1,0 +1,161 @@
+"""What a train step is made of: the user's options, and the plan ``init`` fixes.
+
+:class:`Options` holds ``make_train_step``'s arguments, checked. :class:`Plan` adds what
+``init`` learns from the model (its adapter, the optimizer with its loss scale, master
+weights, FP8 recipes, parameter layout); every stage of the traced step reads the plan
+and nothing else, so ``functools.partial(jaxamp.train.step.step, plan)`` is a pure
+function of ``(state, batch)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp import sharding as sharding_lib
+from jaxamp.policy import Policy
+from jaxamp.rules import norm_defaults
+from jaxamp.train.loss import check_signature
+
+__all__ = ["Options", "Plan", "level_rules", "autocast_under_level"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """``make_train_step``'s arguments, checked (see there for each one's meaning)."""
+
+  loss_fn: Callable[..., Any]
+  optimizer: optax.GradientTransformation
+  policy: Policy
+  has_aux: bool = False
+  grad_accum_steps: int = 1
+  mesh: Any = None
+  batch_axis: Any = "data"
+  donate: bool = True
+  grad_reduce_dtype: Any = np.dtype(jnp.float32)
+  master_weights: bool | None = None
+  float32_outputs: bool = True
+  debug_nonfinite: bool = False
+  eval_fn: Callable[..., Any] | None = None
+  seed: int = 0
+  level: Any = None
+  recompute_norms: bool = False
+  param_sharding: Any = None
+  warn_skipped_steps: int | None = 100
+  skip_nonfinite: bool = True
+
+  def __post_init__(self):
+    if self.grad_accum_steps < 1:
+      raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}.")
+    if self.mesh is not None:
+      for name in self.batch_axes:
+        if name not in self.mesh.axis_names:
+          raise ValueError(f"batch_axis {name!r} is not an axis of the mesh; its axes are "
+                           f"{tuple(self.mesh.axis_names)}.")
+    if self.param_sharding is not None and self.mesh is None:
+      raise ValueError("param_sharding needs a mesh: pass mesh=jax.make_mesh(...) with the "
+                       "axes the parameters are sharded over (e.g. jaxamp.fsdp('fsdp') "
+                       "needs an axis named 'fsdp').")
+    warn = self.warn_skipped_steps
+    if warn is not None and (isinstance(warn, bool) or not isinstance(warn, int) or warn < 1):
+      raise ValueError(f"warn_skipped_steps must be a positive int (steps) or None (never "
+                       f"warn), got {warn!r}.")
+    if not isinstance(self.skip_nonfinite, (bool, np.bool_)):
+      raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
+    check_signature(self.loss_fn, "loss_fn")
+    if self.eval_fn is not None:
+      check_signature(self.eval_fn, "eval_fn")
+    dtype = self.grad_reduce_dtype
+    if dtype is None or not jnp.issubdtype(np.dtype(dtype), jnp.floating):
+      raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
+                       f"float16), got {dtype!r}.")
+    object.__setattr__(self, "grad_reduce_dtype", np.dtype(dtype))
+    object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
+    object.__setattr__(self, "recompute_norms", bool(self.recompute_norms))
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The mesh axes the batch is split over."""
+    return sharding_lib.axis_names(self.batch_axis)
+
+  @property
+  def evaluate(self) -> Callable[..., Any]:
+    """The function ``eval_step`` runs: ``eval_fn``, else ``loss_fn``."""
+    return self.eval_fn if self.eval_fn is not None else self.loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything the traced step reads: the options and what ``init`` found.
+
+  Attributes:
+    options: the checked :class:`Options`.
+    adapter: how the model is bound to its state and called (``adapters``).
+    optimizer: the user's optimizer with a loss-scale element and the exact skip.
+    master_weights: whether the optimizer updates float32 master weights.
+    recompute_norms: whether norms are recomputed in the backward pass.
+    unit_scale: the step inserted ``no_loss_scale()``: no multiply, no divide.
+    overflow: the loss scale's rule for a skipped step, or None (the skip traces a
+      second update told the gradients are not finite).
+    fp8_recipes: ``{module path: recipe}`` of the FP8 modules with delayed state.
+    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each param; else None.
+    gather_dtypes: with ``param_sharding``, the dtype each param leaf is gathered in.
+    state_shardings: with ``param_sharding``, the sharding of each state leaf.
+    narrow_reads: parameter reads record their half-precision cotangents (turned off
+      when ``loss_fn`` takes forward-mode derivatives over the parameters).
+  """
+
+  options: Options
+  adapter: Any
+  optimizer: optax.GradientTransformation
+  master_weights: bool
+  recompute_norms: bool = False
+  unit_scale: bool = False
+  overflow: Callable[[Any], Any] | None = None
+  fp8_recipes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  param_specs: Any = None
+  gather_dtypes: tuple[Any, ...] | None = None
+  state_shardings: Any = None
+  narrow_reads: bool = True
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh | None:
+    return self.options.mesh
+
+  @property
+  def sharded(self) -> bool:
+    """Whether params are stored sharded (``param_sharding``)."""
+    return self.param_specs is not None
+
+  def replicated(self) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(self.options.mesh, jax.sharding.PartitionSpec())
+
+  def batch_sharding(self) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(self.options.mesh,
+                                      jax.sharding.PartitionSpec(self.options.batch_axes))
+
+
+def level_rules(options: Options) -> Any:
+  """The norm rule an opt level asks for, in force at init and while the step traces."""
+  if options.level is not None:
+    return norm_defaults(options.level.norm_rule())
+  return contextlib.nullcontext()
+
+
+def autocast_under_level(options: Options, fn: Callable[..., Any],
+                         batch_argnum: int) -> Callable[..., Any]:
+  """``fn`` under the opt level's autocast (O1), else ``fn`` itself. The batch (argument
+  ``batch_argnum``) is pinned: float32 data (a regression target) stays float32 where
+  it meets half values (``pred - y``), as in torch.autocast; parameters follow."""
+  if options.level is None or not options.level.autocast:
+    return fn
+  from jaxamp.autocast import autocast  # pylint: disable=g-import-not-at-top
+
+  return autocast(fn, options.level.policy, pinned_argnums=(batch_argnum,))

@@ -1,0 +1,113 @@
+"""The traced step, composed from its stages, and the traced eval step.
+
+``step(plan, state, batch)`` is a pure function of the state and the batch (the plan is
+fixed by ``init``); ``functools.partial(step, plan)`` is what ``TrainStep`` jits, and
+what ``TrainStep.step_fn`` hands users who call it inside their own ``jax.jit`` or
+``lax.scan``:
+
+1. ``gradients``: ``loss_fn`` under the policies, the loss times the loss scale, its
+   gradients (accumulated over micro-batches in float32);
+2. ``devices``: with a mesh, the same per device and the results combined;
+3. ``update``: unscaled, checked for inf/NaN, applied, or skipped exactly;
+4. the new state and the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxamp import fp8 as fp8_lib
+from jaxamp import loss_scale as _ls
+from jaxamp.casting import cast_floating, narrow_cotangents
+from jaxamp.rules import path_name
+from jaxamp.train import devices, layout, update
+from jaxamp.train.loss import F32, call_user
+from jaxamp.train.plan import Plan, autocast_under_level, level_rules
+from jaxamp.train.state import TrainState
+
+__all__ = ["step", "eval_step"]
+
+
+def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+  """One training step: the new state and the metrics (``loss``, ``loss_scale``,
+  ``grads_finite``, ``grad_norm``, ``skipped_steps``, and the aux)."""
+  with level_rules(plan.options):
+    return _step(plan, state, batch)
+
+
+def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+  options = plan.options
+  scale = (jnp.ones([], F32) if plan.unit_scale
+           else _ls.get_loss_scale(state.opt_state))
+  rng = step_key(state) if plan.adapter.uses_rng else state.rng
+  # Without accumulation (a float32 sum over micro-batches) or a mesh (a pmean), the
+  # float32 gradient of a parameter read once in half precision is that read's
+  # cotangent widened; narrow_cotangents finds those for the skip's cond.
+  narrowable = (plan.narrow_reads and options.skip_nonfinite and plan.mesh is None
+                and options.grad_accum_steps == 1)
+  with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
+    grads, loss, aux, model_state, fp8 = devices.grads(plan, state, batch, scale, rng)
+  new = update.apply_or_skip(plan, state, grads, loss, model_state, fp8, scale, found)
+  new_state = TrainState(params=new.params, opt_state=new.opt_state, step=state.step + 1,
+                         model_state=new.model_state, rng=state.rng, fp8=new.fp8)
+  return new_state, _metrics(plan, state, new, grads, loss, aux)
+
+
+def _metrics(plan: Plan, state: TrainState, new: update.Applied, grads: Any,
+             loss: jax.Array, aux: Any) -> dict[str, Any]:
+  ls_state = optax.tree_utils.tree_get(new.opt_state, "LossScaleState")
+  metrics: dict[str, Any] = {
+      "loss": loss,
+      "loss_scale": ls_state.scale,
+      "grads_finite": new.grads_finite,
+      "grad_norm": new.grad_norm,
+      "skipped_steps": ls_state.overflow_steps,
+  }
+  if update.float16_leaves(state.params):
+    metrics["params_finite"] = new.params_finite
+  if plan.options.debug_nonfinite:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    metrics["nonfinite_grads"] = {
+        path_name(path): jnp.logical_not(_ls.all_finite(g)) for path, g in leaves}
+  if plan.options.has_aux:
+    if isinstance(aux, Mapping) and not set(aux) & set(metrics):
+      metrics.update(aux)
+    else:
+      metrics["aux"] = aux
+  return metrics
+
+
+def step_key(state: TrainState) -> jax.Array:
+  """The key of Linen's ``'dropout'`` stream for this step: the base key folded with the
+  number of steps applied so far (skipped ones do not count, so a skipped step leaves
+  no trace, not even in later dropout masks). Folded, not split off a key carried in
+  the state: a model that draws no key leaves the fold dead code XLA removes."""
+  skipped = optax.tree_utils.tree_get(state.opt_state, "LossScaleState").overflow_steps
+  return jax.random.fold_in(state.rng, state.step - skipped)
+
+
+def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
+  """``eval_fn`` (default: ``loss_fn``) on the model in eval mode, under its policies;
+  floating results in float32. Nothing is updated."""
+  options = plan.options
+  params = state.params
+  if plan.sharded:
+    # Gathered in the compute dtype, as the step gathers them; then run data parallel.
+    params = layout.gathered_for_eval(plan, params)
+
+  def run(params, model_state, batch):
+    model, _ = plan.adapter.bind(params, model_state, state.rng, options.policy,
+                                 train=False, float32_outputs=options.float32_outputs)
+    return cast_floating(call_user(options.evaluate, model, batch), F32)
+
+  with level_rules(options), fp8_lib.state_scope(state.fp8):
+    return autocast_under_level(options, run, batch_argnum=2)(params, state.model_state,
+                                                              batch)

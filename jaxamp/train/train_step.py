@@ -1,0 +1,435 @@
+"""``make_train_step`` and :class:`TrainStep`, a thin holder over the pure stages.
+
+``TrainStep`` keeps what a training loop needs between calls: the plan ``init`` made,
+the jitted step and eval step, the state the last step returned (a state it did not
+return is checked and laid out first), and the skipped-steps monitor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxamp import policy as policy_lib
+from jaxamp.policy import PolicyLike, get_policy, global_policy
+from jaxamp.train import init as init_lib
+from jaxamp.train import layout
+from jaxamp.train import step as step_lib
+from jaxamp.train.monitor import SkipStreaks, deferred_full_collections
+from jaxamp.train.plan import Options, Plan
+from jaxamp.train.state import TrainState, abstract_state, mismatch
+
+__all__ = ["TrainStep", "make_train_step"]
+
+
+def _option(name: str, doc: str) -> property:
+  return property(lambda self: getattr(self.options, name), doc=doc)
+
+
+class TrainStep:
+  """A compiled mixed-precision train step; build it with :func:`make_train_step`.
+
+  Attributes:
+    options: ``make_train_step``'s arguments, checked (a frozen
+      :class:`jaxamp.train.plan.Options`); ``policy``, ``loss_fn``, ``mesh`` and the
+      other arguments read through to it.
+    plan: what :meth:`init` learnt from the model (None before it).
+    master_weights: whether the optimizer updates float32 master weights; when
+      ``make_train_step`` left it to the default, None until :meth:`init` decides.
+    trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
+      like the params) once :meth:`init` has run; else None.
+  """
+
+  policy = _option("policy", "The model-level policy.")
+  loss_fn = _option("loss_fn", "The loss function.")
+  eval_fn = _option("evaluate", "The function eval_step runs (eval_fn, else loss_fn).")
+  has_aux = _option("has_aux", "Whether loss_fn returns (loss, aux).")
+  grad_accum_steps = _option("grad_accum_steps", "Micro-batches per step.")
+  mesh = _option("mesh", "The mesh, or None.")
+  batch_axis = _option("batch_axis", "The mesh axis (or axes) the batch is split over.")
+  param_sharding = _option("param_sharding", "How params are sharded, or None.")
+  donate = _option("donate", "Whether step donates its input state.")
+  grad_reduce_dtype = _option("grad_reduce_dtype", "Dtype of the cross-device reduction.")
+  float32_outputs = _option("float32_outputs", "Whether loss_fn sees float32 outputs.")
+  debug_nonfinite = _option("debug_nonfinite", "Whether metrics name non-finite grads.")
+  seed = _option("seed", "Seed of the state's PRNG key.")
+  level = _option("level", "The opt level, or None.")
+  skips_nonfinite = _option("skip_nonfinite", "Whether non-finite steps are skipped.")
+
+  def __init__(self, options: Options):
+    self.options = options
+    self.plan: Plan | None = None
+    # Without skips skipped_steps never moves: nothing to watch on the step's hot path.
+    self._streaks = (SkipStreaks(options.warn_skipped_steps)
+                     if options.warn_skipped_steps is not None and options.skip_nonfinite
+                     else None)
+    self._step_jit: Any = None
+    self._eval_jit: Any = None
+    # The skeleton of the state init made, and the last state step returned (known good).
+    self._expected: Any = None
+    self._last_state: Any = None
+    self.trace_count = 0
+
+  @property
+  def master_weights(self) -> bool | None:
+    return self.plan.master_weights if self.plan else self.options.master_weights
+
+  @property
+  def recompute_norms(self) -> bool:
+    return self.plan.recompute_norms if self.plan else self.options.recompute_norms
+
+  @property
+  def param_specs(self) -> Any:
+    return self.plan.param_specs if self.plan else None
+
+  @property
+  def optimizer(self) -> optax.GradientTransformation | None:
+    """The optimizer the step runs (the user's with a loss scale and the skip)."""
+    return self.plan.optimizer if self.plan else None
+
+  @property
+  def step_fn(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """The step as a pure function ``(state, batch) -> (state, metrics)``, for your own
+    ``jax.jit``, ``lax.scan`` or ``shard_map`` (available after :meth:`init`).
+
+    It is what :meth:`step` compiles, without :meth:`step`'s per-call work (state
+    checks, layout, the skipped-steps warning, donation).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      ...                                policy='mixed_bfloat16')
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> def loop(state, batches):  # many steps in one program
+      ...   return jax.lax.scan(train.step_fn, state, batches)
+      >>> state, metrics = jax.jit(loop)(state, jnp.ones((5, 8, 4)))
+      >>> metrics['loss'].shape, int(state.step)
+      ((5,), 5)
+    """
+    return functools.partial(step_lib.step, self._require_plan("step_fn"))
+
+  @property
+  def eval_step_fn(self) -> Callable[[TrainState, Any], Any]:
+    """:meth:`eval_step` as a pure function ``(state, batch) -> result``."""
+    return functools.partial(step_lib.eval_step, self._require_plan("eval_step_fn"))
+
+  def _require_plan(self, what: str) -> Plan:
+    if self.plan is None:
+      raise RuntimeError(f"Call train.init(...) before train.{what}.")
+    return self.plan
+
+  # -- setup --
+
+  def init(self, model: Any, variables: Mapping[str, Any] | None = None,
+           *example_args: Any, **example_kwargs: Any) -> TrainState:
+    """Builds the first :class:`TrainState`.
+
+    Each parameter is stored in the param dtype of the module that owns it (its resolved
+    policy: rules, norm defaults and the opt level's norm rule included). NNX models show
+    their modules. For a Linen module pass the example arguments ``module.init`` took
+    besides its rngs (arrays or ``jax.ShapeDtypeStruct``; keyword arguments such as
+    ``train=False`` too): they are traced abstractly to find the modules. Without them,
+    and for modules that do not run for them, parameters get the model policy's param
+    dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
+    is unwrapped: the train step applies its own policy.
+
+    The state holds the model's own arrays where no cast was needed, and ``step``
+    donates its input state (``donate=True``): the first step consumes them, so use
+    :meth:`model` afterwards, or pass a copy to keep the original. An NNX model trains in
+    the mode it has now (call ``model.train()`` first if it was set to ``.eval()``).
+
+    Args:
+      model: an NNX module, or a Linen module (then pass ``variables``).
+      variables: the Linen variables (``module.init(...)``'s result).
+      *example_args: Linen only: the module's example arguments.
+      **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
+        ``init`` needs more than a ``'params'`` key).
+
+    Returns:
+      The train state (replicated over the mesh, if any).
+    """
+    state, plan = init_lib.init(self.options, model, variables, *example_args,
+                                **example_kwargs)
+    if plan.sharded:
+      plan = dataclasses.replace(plan, state_shardings=layout.state_shardings(plan, state))
+    self.plan = plan
+    self._compile()
+    if plan.sharded:
+      state = layout.place(state, plan.state_shardings)
+    elif plan.mesh is not None:
+      state = jax.device_put(state, plan.replicated())
+    self._expected = abstract_state(state)
+    self._last_state = None  # states made before this init must pass the check
+    return state
+
+  def check_state(self, state: Any) -> None:
+    """Raises a ValueError unless ``state`` fits this step (the one its ``init`` made).
+
+    ``step`` and ``eval_step`` call it for any state they did not return themselves (a
+    restored checkpoint, a state from another step, one made before a later ``init``):
+    its structure, shapes and dtypes must match. The loss scale travels with the state:
+    whatever scale it holds is the one its next step multiplies and divides by, so a
+    state saved under ``mixed_float16`` resumes correctly under a bfloat16 step (which
+    then returns the scale to 1).
+    """
+    if self._expected is None:
+      raise RuntimeError("Call train.init(...) first.")
+    problem = mismatch(state, self._expected)
+    if problem is not None:
+      raise ValueError(f"This state does not fit this train step: {problem}. Use a state made "
+                       "by this step's init (or restored into jaxamp.abstract_state of one); "
+                       "a step re-initialised with another model runs only its new states.")
+
+  def _compile(self) -> None:
+    plan = self.plan
+    donate = (0,) if self.options.donate else ()
+    eval_impl = functools.partial(step_lib.eval_step, plan)
+    if plan.mesh is None:
+      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate)
+      self._eval_jit = jax.jit(eval_impl)
+    else:
+      repl = plan.replicated()
+      state = plan.state_shardings if plan.sharded else repl
+      data = plan.batch_sharding()
+      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate,
+                               in_shardings=(state, data), out_shardings=(state, repl))
+      self._eval_jit = jax.jit(eval_impl, in_shardings=(state, data))
+
+  def _step_impl(self, state: TrainState, batch: Any):
+    self.trace_count += 1  # runs only while tracing
+    with deferred_full_collections:
+      return step_lib.step(self.plan, state, batch)
+
+  # -- public steps --
+
+  def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    """One training step; compiled once per batch shape. Donates ``state`` by default."""
+    if self._step_jit is None:
+      raise RuntimeError("Call train.init(...) before train.step(...).")
+    state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
+    new_state, metrics = self._plain_reads_if_needed(lambda: self._step_jit(state, batch))
+    self._last_state = new_state
+    if self._streaks is not None:
+      self._streaks.observe(metrics)
+    return new_state, metrics
+
+  def _accepted(self, state: Any, place: bool = True) -> Any:
+    """``state`` checked, unless this step returned it, and (``place``) laid out on the
+    mesh: a restored or replicated state gets the step's shardings."""
+    if state is not self._last_state:  # the step's own output needs no check
+      self.check_state(state)
+      if place and self.plan.state_shardings is not None:
+        state = layout.place(state, self.plan.state_shardings)
+    return state
+
+  def trace(self, state: TrainState, batch: Any) -> Any:
+    """``step`` checked and traced, never lowered, compiled or run: a ``jax.stages.Traced``.
+
+    What a first ``step`` call does before XLA sees the program, for ahead-of-time use
+    (``train.trace(state, batch).lower().compile()``) or to read the step's jaxpr.
+    ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct``s (e.g.
+    :func:`abstract_state`); this step's own jitted function is traced, so its jit cache
+    is the one ``step`` then uses.
+
+    Example (ahead of time, from shapes alone):
+      >>> import jax, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: m(b).mean(), optax.adam(1e-3))
+      >>> state = jaxamp.abstract_state(train.init(nnx.Linear(3, 1, rngs=nnx.Rngs(0))))
+      >>> traced = train.trace(state, jax.ShapeDtypeStruct((2, 3), 'float32'))
+      >>> [e.primitive.name for e in traced.jaxpr.eqns].count('cond')  # the exact skip
+      1
+      >>> compiled = traced.lower().compile()
+
+    A ``loss_fn`` that takes ``jax.jvp`` with respect to the parameters under a mixed
+    policy gives a trace whose ``.lower()`` fails (the parameter reads record their
+    cotangents with a ``custom_vjp``); :meth:`lower` and :meth:`step` make the step again
+    without them.
+    """
+    if self._step_jit is None:
+      raise RuntimeError("Call train.init(...) before train.trace(...).")
+    return self._step_jit.trace(self._accepted(state, place=False), batch)
+
+  def lower(self, state: TrainState, batch: Any, *,
+            platforms: Sequence[str] | None = None) -> Any:
+    """``step`` traced and lowered, never compiled or run: a ``jax.stages.Lowered``.
+
+    ``platforms=('cuda',)`` lowers for a GPU from any machine, CPU included, so the
+    program a GPU would receive can be read (``.as_text()``) without one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      ...                                policy='mixed_bfloat16')
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> text = train.lower(state, jnp.ones((8, 4)), platforms=('cuda',)).as_text()
+      >>> 'bf16' in text and 'dot_general' in text
+      True
+    """
+    def lower() -> Any:
+      traced = self.trace(state, batch)
+      return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
+
+    return self._plain_reads_if_needed(lower)
+
+  def _plain_reads_if_needed(self, run: Callable[[], Any]) -> Any:
+    """``run()``; if it fails because ``loss_fn`` takes a forward-mode derivative
+    (``jax.jvp``) with respect to the parameters, which a recording read's
+    ``custom_vjp`` cannot take (JAX says so when it lowers the step), the step is made
+    again with plain reads (every gradient then crosses the skip in float32) and
+    ``run()`` runs once more. Nothing was donated: lowering failed before any run."""
+    try:
+      return run()
+    except TypeError as e:
+      if (not self.plan.narrow_reads
+          or "forward-mode autodiff (jvp) to a custom_vjp" not in str(e)):
+        raise
+    self.plan = dataclasses.replace(self.plan, narrow_reads=False)
+    self._compile()
+    return run()
+
+  def eval_step(self, state: TrainState, batch: Any) -> Any:
+    """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
+
+    NNX models are switched to ``.eval()`` (deterministic dropout, running BatchNorm
+    statistics); Linen modules get no mutable collections. Nothing is updated. Floating
+    results come back in float32.
+    """
+    if self._eval_jit is None:
+      raise RuntimeError("Call train.init(...) before train.eval_step(...).")
+    return self._eval_jit(self._accepted(state), layout.laid_out(self.plan, batch))
+
+  def model(self, state: TrainState, *, copy: bool | None = None) -> Any:
+    """The model with the state's parameters: an NNX module, or ``(module, variables)``.
+
+    A step that donates its state (``donate=True``, the default) consumes the state's
+    arrays, so by default the model gets copies of them: a model kept as "the best so
+    far" survives the steps after it. ``copy=False`` shares the state's arrays (no extra
+    memory; deleted by the next donating step); ``copy=True`` copies also without
+    donation.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1))
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> best = train.model(state)
+      >>> state, _ = train.step(state, jnp.ones((8, 4)))  # donates the old state
+      >>> best(jnp.ones((1, 4))).shape
+      (1, 2)
+    """
+    plan = self._require_plan("model(state)")
+    if self.options.donate if copy is None else copy:
+      state = state._replace(params=jax.tree.map(jnp.copy, state.params),
+                             model_state=jax.tree.map(jnp.copy, state.model_state))
+    return plan.adapter.model(state)
+
+
+def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
+                    policy: PolicyLike | None = None, has_aux: bool = False,
+                    grad_accum_steps: int = 1, mesh: Any = None, batch_axis: str = "data",
+                    donate: bool = True, grad_reduce_dtype: Any = jnp.float32,
+                    master_weights: bool | None = None, float32_outputs: bool = True,
+                    debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
+                    seed: int = 0, opt_level: Any = None,
+                    recompute_norms: bool = False,
+                    param_sharding: Any = None,
+                    warn_skipped_steps: int | None = 100,
+                    skip_nonfinite: bool = True) -> TrainStep:
+  """Builds a compiled mixed-precision train step.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      ``model`` runs under its per-module policies: the policy-wrapped NNX module, or for
+      Linen a callable ``model(*args, **kw)`` applying the module (BatchNorm statistics
+      and the ``'dropout'`` RNG are handled for you). Its floating outputs arrive in
+      float32 unless ``float32_outputs=False``; the loss is computed and reported in float32.
+    optimizer: an optax transformation. A loss-scale element in it (e.g.
+      ``optax.chain(jaxamp.dynamic_loss_scale(), optax.adamw(3e-4))``) is used; without
+      one, ``jaxamp.loss_scale_for(policy)`` is put first (dynamic for float16 compute).
+    policy: the model-level policy; None takes ``jaxamp.global_policy()`` now.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a dict ``aux`` is merged into
+      the metrics, anything else is under ``metrics['aux']``.
+    grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
+      scale updates once per step and the whole step is skipped if any micro-batch
+      overflows. Each micro-batch's loss is scaled by the loss scale over
+      ``grad_accum_steps`` (its float16 gradients are as large as without accumulation).
+      The aux of the micro-batches (and, with a mesh, of the devices) is combined into
+      the whole batch's: floating values averaged, integers summed (counts), booleans
+      or-ed (flags).
+    mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
+    batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
+      their product, e.g. ``('data', 'fsdp')``).
+    donate: donate the input state's buffers to the step.
+    grad_reduce_dtype: dtype of the cross-device gradient mean (reduce-scatter with
+      ``param_sharding``).
+    master_weights: keep float32 master weights in the optimizer state; default (None):
+      on when ``init`` stores any parameter in a half dtype (``'float16'`` and
+      ``'bfloat16'`` policies, or rules giving some modules half params).
+    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32.
+    debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
+      whether its gradient had an inf/NaN, to find the layer that overflowed.
+    eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
+    seed: seed of the state's PRNG key (Linen dropout).
+    opt_level: an Apex-style level, ``'O0'``–``'O3'`` or a :class:`jaxamp.OptLevel`
+      (see :func:`jaxamp.opt_level`); it sets the policy, the loss scale inserted when
+      ``optimizer`` has none, master weights (unless given), whether norms stay float32,
+      and for O1 runs the loss computation through :func:`jaxamp.autocast` with a
+      float32 model. Not combinable with ``policy``.
+    recompute_norms: recompute norms that compute wider than their inputs in the
+      backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
+      time. Off by default.
+    param_sharding: shard the params, master weights and optimizer state over ``mesh``:
+      :func:`jaxamp.fsdp` (each large param split over an axis), :func:`jaxamp.annotated`
+      (the model's NNX/Linen partitioning annotations, with logical axis rules), or a
+      pytree of ``PartitionSpec`` like the params. Each step gathers the params in their
+      compute dtype and reduce-scatters gradients in ``grad_reduce_dtype``; see
+      :mod:`jaxamp.sharding`. None (default): params replicated.
+    warn_skipped_steps: warn (a ``RuntimeWarning``, once per streak) when this many
+      consecutive steps were all skipped, i.e. training stopped moving. ``step`` reads
+      two counters per that many calls, from results at least that old, so it never
+      waits on the step it just dispatched; the warning comes up to three windows after
+      the streak began. None: never warn.
+    skip_nonfinite: skip a step whose gradients are not finite (inf, NaN, or a global
+      norm past float32's range) exactly, leaving the state bit-identical but for the
+      loss scale (default, under every policy). False: apply every update, like a plain
+      optax step (``metrics['grads_finite']`` still says whether the gradients were
+      finite); refused where float16 needs skips (a loss-scale element in ``optimizer``,
+      float16 compute, parameters stored in float16).
+
+  Returns:
+    A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
+    ``init``, ``step_fn`` is the step as a pure function for your own ``jax.jit``.
+  """
+  level = None
+  if opt_level is not None:
+    from jaxamp.opt_levels import opt_level as get_level  # pylint: disable=g-import-not-at-top
+
+    if policy is not None:
+      raise ValueError(f"Pass either policy= or opt_level=, not both (got policy={policy!r}, "
+                       f"opt_level={opt_level!r}); override a level's policy with "
+                       "jaxamp.opt_level(name, policy=...).")
+    level = get_level(opt_level)
+    # O1 keeps the model in float32 and lets autocast pick each operation's precision.
+    policy = get_policy("float32") if level.autocast else level.policy
+    if master_weights is None:
+      master_weights = level.master_weights
+  policy = global_policy() if policy is None else get_policy(policy)
+  policy_lib._warn_if_slow(level.policy if level is not None else policy, stacklevel=3)
+  return TrainStep(Options(
+      loss_fn, optimizer, policy=policy, has_aux=has_aux,
+      grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis, donate=donate,
+      grad_reduce_dtype=grad_reduce_dtype, master_weights=master_weights,
+      float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
+      seed=seed, level=level, recompute_norms=recompute_norms,
+      param_sharding=param_sharding, warn_skipped_steps=warn_skipped_steps,
+      skip_nonfinite=skip_nonfinite))
