@@ -371,6 +371,7 @@ def get_policy(spec: PolicyLike) -> Policy:
     >>> jaxamp.get_policy(jnp.bfloat16).name
     'bfloat16'
   """
+  _unread.read()  # a jaxamp API is in use: the global-policy warning is moot
   if isinstance(spec, Policy):
     return spec
   if spec is None:  # np.dtype(None) would quietly mean float64
@@ -393,6 +394,84 @@ def get_policy(spec: PolicyLike) -> Policy:
 
 
 # --- global policy and scopes -------------------------------------------------------
+
+class _UnreadGlobalPolicy:
+  """Warns once when a half-precision global policy was set and JAX traces a program
+  of the user's before any jaxamp API has read the policy (a plain Flax model ignores
+  it). Listens to JAX's public trace events (``jax.monitoring``): a jitted function's
+  trace names the function, an eager operation's names its primitive; JAX's and
+  Flax's own helpers (primitives, ``jax.numpy``/``jax.random``/``jax.nn``/``jax.lax``
+  functions, private names) are not the user's program."""
+
+  EVENT = "/jax/core/compile/jaxpr_trace_duration"
+  MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+  def __init__(self):
+    self.policy: Policy | None = None  # set and not read since
+    self._registered = False
+    self._library_names: frozenset[str] | None = None
+
+  def watch(self, policy: Policy) -> None:
+    self.policy = policy if policy.compute_dtype != _FLOAT32 else None
+    if self.policy is not None and not self._registered:
+      self._registered = True
+      jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def read(self) -> None:
+    self.policy = None
+
+  def _is_users(self, name: str) -> bool:
+    if name in self.MATMULS:  # an eager matmul: a model called outside jit
+      return True
+    if self._library_names is None:
+      from jax.extend.core import Primitive  # pylint: disable=g-import-not-at-top
+      import jax.extend.core.primitives as prims  # pylint: disable=g-import-not-at-top
+
+      names = {getattr(prims, n).name for n in dir(prims)
+               if isinstance(getattr(prims, n), Primitive)}
+      for module in (jnp, jax.nn, jax.random, jax.lax, jax.numpy.linalg):
+        names.update(dir(module))
+      self._library_names = frozenset(names | {"stage"})
+    return not (name.startswith(("_", "<")) or name in self._library_names)
+
+  def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+    del duration
+    policy, name = self.policy, kwargs.get("fun_name")
+    if policy is None or event != self.EVENT or not name or not self._is_users(name):
+      return
+    self.policy = None
+    what = ("an eager matmul" if name in self.MATMULS
+            else f"the jitted function {name!r}")
+    _warn_once.warn_once(
+        ("policy.global_unread", policy.name),
+        f"jaxamp: the global policy is {policy.name!r}, but JAX traced {what} before "
+        "any jaxamp API read it. A Flax model called directly (model(x), nnx.jit, "
+        "jax.jit) computes in the dtypes its layers were built with, not the global "
+        "policy. Add one of: model = jaxamp.nnx.with_policy(model) (Linen: module = "
+        "jaxamp.linen.with_policy(module)), which runs it under the policy; or train "
+        "with train = jaxamp.make_train_step(loss_fn, optimizer), which also scales "
+        "the loss. Loss scaling alone: optax.chain(jaxamp.dynamic_loss_scale(), ...).",
+        UserWarning, stacklevel=_outside_libraries())
+
+
+def _outside_libraries() -> int:
+  """The ``stacklevel`` of the innermost caller outside jax, flax and jaxamp (the line of
+  the user's that led into this warning)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  import flax  # pylint: disable=g-import-not-at-top
+
+  roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, flax)) + (
+      os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and frame.f_code.co_filename.startswith(roots):
+    frame, level = frame.f_back, level + 1
+  return level  # as warn_once's stacklevel: 1 names _on_event's line
+
+
+_unread = _UnreadGlobalPolicy()
+
 
 _global = get_policy("float32")
 _local = threading.local()
@@ -468,6 +547,17 @@ def _warn_if_slow(policy: Policy, stacklevel: int) -> None:
 def set_global_policy(spec: PolicyLike) -> None:
   """Sets the process-wide default policy (scopes in any thread take precedence).
 
+  Unlike Keras, where every layer reads the global policy, the global policy here is
+  the default of jaxamp's own entry points, which read it when they are called:
+  :func:`jaxamp.make_train_step`, :func:`jaxamp.nnx.with_policy`,
+  :func:`jaxamp.linen.with_policy`, :func:`jaxamp.autocast`, :func:`jaxamp.summary`,
+  :func:`jaxamp.precision_report`, :func:`jaxamp.resolve_policy` and
+  :func:`global_policy` itself (each when given no ``policy``). A Flax model called
+  directly (``model(x)``, under ``nnx.jit`` or ``jax.jit``) computes in the dtypes its
+  layers were built with. So that this does not pass in silence, a half-precision
+  global policy that no jaxamp API has read by the time JAX first traces a program of
+  yours (a jitted function, or an eager matmul) gives one warning naming what to add.
+
   Example:
     >>> import jaxamp
     >>> jaxamp.set_global_policy('mixed_bfloat16')
@@ -479,6 +569,7 @@ def set_global_policy(spec: PolicyLike) -> None:
   policy = get_policy(spec)
   _warn_if_slow(policy, stacklevel=3)
   _global = policy
+  _unread.watch(policy)
 
 
 def global_policy() -> Policy:
@@ -489,6 +580,7 @@ def global_policy() -> Policy:
     >>> jaxamp.global_policy().name
     'float32'
   """
+  _unread.read()
   stack = _stack()
   return stack[-1] if stack else _global
 

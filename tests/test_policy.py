@@ -267,3 +267,54 @@ def test_gpu_compute_capability_rules(monkeypatch, cc, dtype, warns):
   assert (reason is not None) == warns
   if warns:
     assert cc in reason
+
+
+def _plain_flax_script(wrap):
+  """An ordinary NNX + optax training step (nnx.Optimizer, nnx.jit), run once; ``wrap``
+  optionally runs the model under jaxamp first."""
+  import optax
+  from flax import nnx
+
+  model = wrap(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def plain_train_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+  plain_train_step(model, optimizer, jnp.ones((3, 4)))
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
+def test_a_global_policy_no_jaxamp_api_reads_warns_when_the_users_program_is_traced(
+    fresh_warnings, name):
+  import warnings
+
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # float16 on CPU
+      jaxamp.set_global_policy(name)
+    with pytest.warns(UserWarning, match="plain_train_step.*with_policy.*make_train_step") as w:
+      _plain_flax_script(lambda m: m)
+    assert [r.filename for r in w if "global policy" in str(r.message)] == [__file__]
+    with warnings.catch_warnings():  # once
+      warnings.simplefilter("error", UserWarning)
+      _plain_flax_script(lambda m: m)
+  finally:
+    jaxamp.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("case", ["with_policy", "float32"])
+def test_a_global_policy_that_is_read_or_float32_gives_no_warning(fresh_warnings, case):
+  import warnings
+
+  try:
+    jaxamp.set_global_policy("float32" if case == "float32" else "mixed_bfloat16")
+    wrap = jaxamp.nnx.with_policy if case == "with_policy" else (lambda m: m)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", UserWarning)
+      _plain_flax_script(wrap)
+  finally:
+    jaxamp.set_global_policy("float32")
