@@ -102,7 +102,7 @@ def machine() -> dict[str, Any]:
       "python": platform.python_version(),
       "platform": platform.platform(),
       "versions": {p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "keras", "numpy",
-                                            "jaxamp")},
+                                            "jax-mixed-precision")},
       "git": _git_revision(),
       "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
   }

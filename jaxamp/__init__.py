@@ -1,4 +1,36 @@
-"""jaxamp: Keras-style mixed precision for JAX, Flax and optax."""
+"""Keras-style mixed precision for JAX, Flax and optax.
+
+jaxamp trains unmodified Flax models (NNX and Linen) and plain JAX functions in float16 or
+bfloat16: a policy names the param, compute and output dtypes; rules attach policies to
+modules; loss scaling is an optax transformation; one compiled train step does the rest.
+
+Entry points:
+  policies       ``get_policy('mixed_bfloat16')``, ``set_global_policy``, ``policy_scope``
+  rules          ``set_policy(cls_or_path_glob, policy)``, ``policy_rules({...})``; norms
+                 compute in float32 by default (``float32_compute``)
+  Flax models    ``jaxamp.nnx.with_policy(model)``, ``jaxamp.linen.with_policy(module)``
+  train step     ``make_train_step(loss_fn, optimizer, policy=...)``: a ``TrainStep`` with
+                 ``init``, ``step``, ``eval_step``, ``model``, ``trace``, ``lower``; loss
+                 scaling, exact skips, accumulation, master weights, ``mesh=`` sharding
+  your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
+                 ``scale_loss`` and ``get_loss_scale``
+  per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
+  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``
+  inspection     ``precision_report``, ``summary``, ``convert_for_inference``
+
+``set_global_policy`` is read by the entry points above that take ``policy=None``, when
+they are called (a Flax model called directly ignores it, and a warning says so). Guides and the API reference: ``docs/`` in the repository.
+
+Example:
+  >>> import jax.numpy as jnp, optax, jaxamp
+  >>> from flax import nnx
+  >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.adam(1e-3),
+  ...                                policy='mixed_bfloat16')
+  >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+  >>> state, metrics = train.step(state, jnp.ones((8, 4)))
+  >>> int(metrics['skipped_steps']), state.params['kernel'].dtype
+  (0, dtype('float32'))
+"""
 
 from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
