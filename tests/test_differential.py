@@ -42,6 +42,20 @@ batches = [{'x': rng.randn(16, 16).astype(np.float32),
             'y': rng.randn(16, 8).astype(np.float32)} for _ in range(3)]
 
 
+def attempt(fn):
+  # fn()'s result, or the error it raised (each case fails on its own).
+  try:
+    return fn()
+  except Exception as e:  # pylint: disable=broad-except
+    return f'{type(e).__name__}: {str(e)[:300]}'
+
+
+def difference(a, b):
+  if isinstance(a, str) or isinstance(b, str):
+    return a if isinstance(a, str) else b
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
 def run(**kw):
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='float32', **kw)
   state = train.init(MLP(nnx.Rngs(0)))
@@ -70,10 +84,65 @@ layouts = {
     'spec model, batch over both': dict(mesh=mesh, batch_axis=('data', 'model'),
                                         param_sharding=specs('model')),
 }
-out = {}
+out = {'layouts': {}}
 for name, kw in layouts.items():
-  got = run(**kw)
-  out[name] = max(float(np.max(np.abs(a - b))) for a, b in zip(got, reference))
+  out['layouts'][name] = difference(attempt(lambda: run(**kw)), reference)
+
+
+# A state made by a step of one layout, passed to a step of another: moved, not refused.
+def trained(train, state, steps=2):
+  for b in batches[:steps]:
+    state, _ = train.step(state, b)
+  return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def fresh(**kw):
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='float32', **kw)
+  return train, train.init(MLP(nnx.Rngs(0)))
+
+
+mesh4 = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
+kinds = {
+    'one device': dict(),
+    'replicated': dict(mesh=mesh, batch_axis='data'),
+    'fsdp': dict(mesh=mesh, batch_axis='data', param_sharding=jaxamp.fsdp('data', min_size=1)),
+    'replicated, 4 devices': dict(mesh=mesh4, batch_axis='data'),
+}
+moved = {}
+for source in ('fsdp', 'replicated'):
+  for target in kinds:
+    if source == target:
+      continue
+    def case():
+      _, state = fresh(**kinds[source])
+      train, own = fresh(**kinds[target])
+      return difference(trained(train, state), trained(train, own))
+    moved[f'{source} -> {target}'] = attempt(case)
+
+
+def users_case():
+  train, own = fresh(**kinds['replicated'])
+  own_result = trained(*fresh(**kinds['replicated']))
+  sharding = jax.sharding.NamedSharding(mesh, P('model'))
+  users = own._replace(params=jax.device_put(own.params, sharding))
+  return difference(trained(train, users), own_result)
+
+
+moved['device_put -> replicated'] = attempt(users_case)
+out['moved'] = moved
+
+# One compile: host batches then committed ones, and a host copy of the state.
+traces = {}
+for name in ('replicated', 'fsdp'):
+  def case():
+    train, state = fresh(**kinds[name])
+    state, _ = train.step(state, batches[0])  # host arrays
+    committed = jax.device_put(batches[1], jax.sharding.NamedSharding(mesh, P('data')))
+    state, _ = train.step(state, committed)
+    state, _ = train.step(jax.device_get(state), batches[2])
+    return train.trace_count
+  traces[name] = attempt(case)
+out['traces'] = traces
 print('RESULT', json.dumps(out))
 """
 
@@ -92,6 +161,27 @@ def differences(tmp_path_factory):
   return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.parametrize("move", [
+    "fsdp -> one device", "fsdp -> replicated", "fsdp -> replicated, 4 devices",
+    "replicated -> fsdp", "replicated -> one device", "replicated -> replicated, 4 devices",
+    "device_put -> replicated"])
+def test_a_state_of_another_layout_is_moved_to_the_steps_layout(differences, move):
+  """A state made by a step of another layout (FSDP, another mesh, the user's own
+  device_put) passed the state check, then failed inside JAX (sharded contracting
+  dimensions, a shard_map in_specs mismatch, unequal meshes); it is moved and trains as
+  the step's own state."""
+  got = differences["moved"][move]
+  assert isinstance(got, float) and got < 1e-6, got
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_host_batches_committed_batches_and_a_host_state_share_one_compile(
+    differences, layout):
+  """A committed batch after host arrays, and a host copy of the state, each cost one
+  more trace and compile under a mesh."""
+  assert differences["traces"][layout] == 1
+
+
 @pytest.mark.parametrize("layout", [
     "replicated", "fsdp data", "fsdp (data, model)", "spec (data, model)",
     "spec (model, data)", "spec model, batch over both"])
@@ -99,4 +189,5 @@ def test_a_sharded_layout_trains_as_one_device(differences, layout):
   """A parameter dimension split over a batch axis and a non-batch axis together (the
   entry ('data', 'model') with batch_axis='data', in either order) was 2e-2 away from one
   device after 3 steps: its gradient was sliced over both axes but summed over one."""
-  assert differences[layout] < 1e-5, differences
+  got = differences["layouts"][layout]
+  assert isinstance(got, float) and got < 1e-5, got

@@ -16,7 +16,8 @@ from jaxamp.casting import is_floating_array
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
 
-__all__ = ["place", "state_shardings", "laid_out", "put_batch", "gathered_for_eval"]
+__all__ = ["place", "laid_out_state", "state_shardings", "laid_out", "put_batch",
+           "gathered_for_eval"]
 
 
 def place(tree: Any, shardings: Any) -> Any:
@@ -24,9 +25,13 @@ def place(tree: Any, shardings: Any) -> Any:
 
   There device_put refuses an array committed to one local device; every process holds
   the same value (same seed, same model), so each places its slices from a host copy.
+  An array already committed to its sharding is kept as it is.
   """
 
   def one(x: Any, sharding: Any) -> Any:
+    if (isinstance(x, jax.Array) and x.committed
+        and x.sharding.is_equivalent_to(sharding, x.ndim)):
+      return x
     if (not isinstance(x, jax.Array) or sharding.is_fully_addressable
         or not x.is_fully_addressable):
       return jax.device_put(x, sharding)
@@ -36,6 +41,30 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.device_put(np.asarray(x), sharding)
 
   return jax.tree.map(one, tree, shardings)
+
+
+def laid_out_state(plan: Plan, state: TrainState) -> TrainState:
+  """A state the step did not return, moved to the step's layout: sharded by the
+  params' specs, replicated over the mesh, or (without a mesh) on one device.
+
+  A state from a step of another layout (FSDP into a data-parallel or one-device step,
+  another mesh, a host copy, the user's own ``device_put``) is moved, so it runs as the
+  step's own state would, and a host copy does not cost a second compile.
+  """
+  if plan.mesh is None:
+    # A Sharding, not a Device: device_put to a Device keeps an Explicit mesh axis in
+    # the array's type, which the one-device program then refuses.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def one(x: Any) -> Any:
+      if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return jax.device_put(x, device)  # laid out over another step's devices
+      return x
+    return jax.tree.map(one, state)
+  if plan.sharded:
+    return place(state, plan.state_shardings)
+  repl = plan.replicated()
+  return place(state, jax.tree.map(lambda _: repl, state))
 
 
 def state_shardings(plan: Plan, state: TrainState) -> TrainState:
@@ -68,16 +97,18 @@ def state_shardings(plan: Plan, state: TrainState) -> TrainState:
 
 
 def laid_out(plan: Plan, batch: Any) -> Any:
-  """With a mesh, ``batch``'s arrays committed to another layout (one device, replicated,
-  split on another axis) moved to the step's batch sharding, which the compiled step
-  would otherwise refuse; host arrays and arrays already so laid out pass untouched."""
+  """With a mesh, ``batch`` on the step's batch sharding: host arrays and arrays
+  committed to another layout (one device, replicated, split on another axis) are
+  moved, which the compiled step would otherwise refuse or compile again for; arrays
+  already so laid out pass untouched. Without a mesh, ``batch`` as it is."""
   if plan.mesh is None:
     return batch
   data = plan.batch_sharding()
 
   def one(x: Any) -> Any:
-    if (isinstance(x, jax.Array) and x.committed
-        and not x.sharding.is_equivalent_to(data, x.ndim)):
+    if isinstance(x, jax.Array) and x.committed and x.sharding.is_equivalent_to(data, x.ndim):
+      return x
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) and np.ndim(x) >= 1:
       return jax.device_put(x, data)
     return x
   return jax.tree.map(one, batch)

@@ -222,12 +222,13 @@ class TrainStep:
     return new_state, metrics
 
   def _accepted(self, state: Any, place: bool = True) -> Any:
-    """``state`` checked, unless this step returned it, and (``place``) laid out on the
-    mesh: a restored or replicated state gets the step's shardings."""
+    """``state`` checked, unless this step returned it, and (``place``) moved to the
+    step's layout: a restored state, a host copy, or one from a step of another layout
+    gets the step's shardings."""
     if state is not self._last_state:  # the step's own output needs no check
       self.check_state(state)
-      if place and self.plan.state_shardings is not None:
-        state = layout.place(state, self.plan.state_shardings)
+      if place:
+        state = layout.laid_out_state(self.plan, state)
     return state
 
   def trace(self, state: TrainState, batch: Any) -> Any:
