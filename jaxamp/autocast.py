@@ -71,17 +71,11 @@ def autocast(fn: F, policy: PolicyLike | None = None, *,
              lists: AutocastLists | None = None, pinned_argnums: Sequence[int] = ()) -> F:
   """Returns ``fn`` with each primitive run in the precision the op lists give it.
 
-  Low-precision list (``dot_general``, ``conv_general_dilated``): floating operands
-  are cast to ``policy.compute_dtype`` and the result is in that dtype (like
-  torch.autocast; XLA accumulates half-precision matmuls in float32). Float32 list:
-  float16/bfloat16 operands are cast to float32. Follow-compute list (``add``,
-  ``sub``, ``mul``): an operand in the compute dtype brings float32 parameters and
-  activations down with it, so bias and residual adds stay in half precision, unless
-  the float32 operand is *pinned* (a float32-list op made it: a norm's statistics, a
-  log-sum-exp), when it is as widest (see :mod:`jaxamp.op_lists`). Widest list:
-  operands are cast to the widest floating operand type (scalar literals follow the
-  other operands, as weakly typed Python scalars do in ``jax.numpy``). Passthrough:
-  nothing is cast. Integer, boolean and PRNG-key values are never cast.
+  Matmuls and convolutions run in ``policy.compute_dtype`` (like torch.autocast; XLA
+  accumulates half-precision matmuls in float32), ``exp``, ``log`` and other
+  range-hungry ops in float32, bias and residual adds in the compute dtype unless their
+  float32 operand is pinned (a norm's statistics); :mod:`jaxamp.op_lists` has the
+  lists. Integer, boolean and PRNG-key values are never cast.
 
   The returned function has ``fn``'s signature: same arguments (any pytrees;
   non-array leaves are passed through as static values) and outputs of the same

@@ -5,8 +5,7 @@ on every step: it is the ``grad_norm`` metric and the skip verdict (a finite nor
 ``optax.clip_by_global_norm`` later in the chain computes that same norm again, inside the
 update, where XLA cannot share it with the step's: one more reduction per parameter, one
 more read of every gradient per step. On XLA:CPU each of those reductions is also its own
-compiled kernel: for a 48-layer transformer (582 parameters) the second norm is about
-15 % of the step's compile time (``benchmarks/compile``).
+compiled kernel, so the second norm lengthens compiling too (``benchmarks/compile``).
 
 :func:`clip_by_global_norm` clips exactly as optax's does (the update is left alone while
 its norm is below ``max_norm``, else scaled by ``max_norm / norm``). Inside a train step

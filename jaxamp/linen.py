@@ -6,54 +6,22 @@ the module containing it, the top module taking the model-level policy. Nothing 
 model changes, its layers keep ``dtype=None``, and user modules that read a parameter
 directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
 
-- its own parameters are read in its compute dtype. Stored parameters keep the param
-  dtype (float32 under ``mixed_*``); the cast happens inside ``apply``, so gradients
-  with respect to the stored parameters come back in the param dtype;
+- its own parameters are read in its compute dtype; stored parameters, and gradients
+  with respect to them, keep the param dtype (float32 under ``mixed_*``);
 - floating arguments are cast to the compute dtype and floating results to the output
-  dtype. Integers (token ids), booleans (masks), PRNG keys and anything not an array
-  pass through. Normalization layers compute in float32 and return the surrounding
-  compute dtype (the :func:`jaxamp.float32_compute` default rule);
-- a ``dtype`` dataclass field (every Flax layer has one; so do third-party modules
-  that thread ``dtype=self.dtype``, float32 by default, down to their layers) reads the
-  compute dtype while the module runs, and a ``param_dtype`` field the param dtype:
-  the policy, not the model's hard-coded float32, decides. A rule
-  (:func:`jaxamp.set_policy`) is how a module is kept in float32;
-- with ``recompute_norms=True``, a normalization layer (Flax's, or a class named like
-  one, see :mod:`jaxamp.rules`) that computes wider than its input runs under
-  ``nn.remat`` with the cast inside, so the backward pass keeps its half-precision input
-  rather than float32 intermediates (less activation memory, more time: off by default);
-- mutable collections such as BatchNorm's ``batch_stats`` keep the dtype they had on
-  the way in; parameters and other state are never stored in a half dtype unless the
-  policy's param dtype says so. The exception is an attention layer's decoding
-  ``cache`` (``decode=True``; a class named like attention,
-  :func:`jaxamp.rules.is_named_attention`, Hugging Face's included): it holds keys and
-  values in the compute dtype, and ``init`` stores it that way. Another module's
-  ``cache`` entries (a running sum) keep their dtype.
+  dtype; integers (token ids), booleans (masks), PRNG keys and non-arrays pass through.
+  Normalization layers compute in float32 (:func:`jaxamp.float32_compute`);
+- a ``dtype`` field (every Flax layer's, and a third-party module's that threads
+  ``dtype=self.dtype`` down) reads the compute dtype, and a ``param_dtype`` field the
+  param dtype: the policy, not the model's hard-coded float32, decides;
+- mutable collections such as ``batch_stats`` keep their dtype; only an attention
+  layer's decoding ``cache`` holds keys and values in the compute dtype.
 
-How: ``flax.linen.intercept_methods`` sees every module method call, which is where
-arguments and results are cast. Parameters are read with ``self.param``, out of reach
-of an interceptor, so :meth:`LinenPolicy.apply` first learns which module owns which
-parameters, and its class, from an abstract pass (``jax.eval_shape``, cached per input
-shapes) and casts each module's own parameters to its compute dtype before the real
-call. Linen layers with ``dtype=None`` then compute in the half dtype, as their inputs
-and parameters agree (with float32 parameters they would promote back to float32).
-
-Lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``, ``nn.jit``, class or
-function form) run their body on a clone of the module; the clone is cast like the
-module, and the parameters under it are cast inside the transform (with
-``nn.map_variables``), so ``nn.remat`` recomputes those casts in the backward pass
-instead of keeping half-precision copies of the parameters alive. For ``nn.scan`` the
-carry must keep one dtype across iterations, so a lifted body returning a tuple whose
-first element mirrors its first argument (the carry) gives that element back in the
-dtypes the carry came in with.
-
-The first ``apply`` per input signature also traces the forward pass once more
-(``jax.make_jaxpr``, nothing runs) with every module call under a named scope
-(:mod:`jaxamp.census`) and warns once, naming the modules, if a module computing in
-half by policy still runs matmuls in float32 (code that casts to float32 itself).
-
-Policies are resolved when ``apply`` is traced: under ``jax.jit`` the rules and the
-global policy in force at the first trace stay baked into the compiled function.
+Lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``, ``nn.jit``) are followed.
+The first ``apply`` per input signature warns once if a module computing in half still
+runs matmuls in float32 (:mod:`jaxamp.census`). Policies are resolved when ``apply`` is
+traced: under ``jax.jit`` the rules in force at the first trace stay baked in. More in
+the policies guide (``docs/guides/policies.md``).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -616,7 +584,7 @@ def with_policy(module: nn.Module, policy: PolicyLike | None = None, *,
     recompute_norms: run norms that compute wider than their inputs (the float32
       default inside a half-precision model) under ``nn.remat``, so reverse mode keeps
       their half-precision inputs instead of float32 intermediates. Saves activation
-      memory, costs time (a GPU ResNet-50 step 1.25× with it): off by default.
+      memory, costs time on a GPU: off by default.
 
   Returns:
     A :class:`LinenPolicy` with Linen's ``init(rngs, *args, **kwargs)`` and

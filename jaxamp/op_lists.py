@@ -3,77 +3,25 @@
 :func:`jaxamp.autocast` looks up every primitive of the traced function in an
 :class:`AutocastLists` and casts its floating operands accordingly:
 
-============== ============================================= =========================================
-list           operands are cast to                          examples
-============== ============================================= =========================================
-low_precision  the policy's compute dtype (so is the result) ``dot_general``, ``conv_general_dilated``
-float32        float32 (float16/bfloat16 operands only)      ``exp``, ``log``, ``pow``, ``rsqrt``,
-                                                             ``cumprod``, linear algebra, ``fft``
-follow_compute the compute dtype if one operand is in it and ``add``, ``sub``, ``mul``
-               the others are float32 but not pinned (see
-               below); else as widest
-widest         the widest floating operand type (scalar      ``div``, ``select_n``, ``concatenate``,
-               literals follow the other operands)           comparisons
-passthrough    nothing: runs in whatever dtype arrives       ``reshape``, ``tanh``, ``reduce_max``,
-                                                             ``gather``, collectives, PRNG ops
-as_traced      the dtypes the function was traced with       ``scatter`` (its combiner is typed),
-                                                             ``bitcast_convert_type``, callbacks
-conditional    whichever list a rule picks per equation      ``reduce_sum``, ``cumsum``: float32 when
-                                                             they sum more than 1 element
-============== ============================================= =========================================
+- ``low_precision``: to the policy's compute dtype (``dot_general``, convolutions);
+- ``float32``: float16/bfloat16 operands to float32 (``exp``, ``log``, ``pow``,
+  ``rsqrt``, linear algebra);
+- ``follow_compute``: to the compute dtype when one operand is in it and the others are
+  float32 values not *pinned* to float32, else as ``widest`` (``add``, ``sub``,
+  ``mul``: a bias or residual add stays in the compute dtype). A value is pinned when a
+  float32-list op produced it or it was computed from one, or when it crosses a loop,
+  ``cond`` or custom-derivative boundary: a norm's statistics, a loss;
+- ``widest``: to the widest floating operand dtype (``div``, ``select_n``, comparisons);
+- ``passthrough``: nothing (``reshape``, ``tanh``, ``reduce_max``, ``gather``);
+- ``as_traced``: to the dtypes the function was traced with (``scatter``, callbacks);
+- ``conditional``: a rule (:class:`ReductionSize`) picks one of those per equation:
+  ``reduce_sum`` and ``cumsum`` run in float32 when they sum more than one element.
 
-**follow_compute** keeps a Linear or attention block's activations in the compute
-dtype, as a model with ``dtype=`` set on every Flax layer keeps them: the bias added to
-a matmul's half-precision result is cast down (torch.autocast's ``addmm``, matmul and
-bias in one op, does the same), and so is the float32 residual stream it is added to
-(``x + attn(ln(x))``) and a float32 scale multiplied into it. A float32 value is
-*pinned*, and then wins as in ``widest``, when a float32-list op (or a sum the
-conditional rule sends to float32) produced it or it was computed from one, or when it
-crosses a loop, ``cond`` or custom-derivative boundary (autocast keeps those at the
-traced dtypes): a norm's statistics, ``x - logsumexp(x)``, a loss, a loop's float32
-accumulator keep float32. Parameters, inputs and what is computed from them alone
-(embedding lookups) are not pinned. Torch promotes ``x_fp32 + y_fp16`` to float32 instead
-(its residual stream stays float32; so does MXNet's, through ``WIDEST_TYPE_CASTS``).
-For torch's behaviour, ``lists.add('add', 'sub', 'mul', to='widest')``.
-
-A primitive in no list is treated as ``as_traced``: autocast cannot know whether an
-unknown primitive (a Pallas kernel, a callback) accepts other dtypes. Integer, boolean
-and PRNG-key operands are never cast, and float64 operands are left alone (as torch
-leaves double tensors alone). The higher-order primitives in :data:`HIGHER_ORDER`
-(``jit``, ``scan``, ``while``, ``cond``, checkpoint, ``custom_jvp_call``,
-``custom_vjp_call``, ``shard_map``) are not in any list: autocast recurses into them.
-
-Side by side with the peers (see ``shared/REFERENCE.md``):
-
-=================== ======================================= ===============================
-jaxamp              torch CUDA autocast                     MXNet AMP
-=================== ======================================= ===============================
-low_precision       matmul, mm, bmm, addmm, linear, conv*   FP16_FUNCS (FullyConnected,
-                                                            Convolution, gemm, einsum, RNN)
-float32             exp, log*, pow, rsqrt, acos, asin,      FP32_FUNCS (exp, log, norm,
-                    cosh, sinh, tan, erfinv, cumprod, prod  topk, ...)
-conditional         sum, cumsum (always float32 in torch)   CONDITIONAL_FP32_FUNCS
-follow_compute      addmm's bias (cast with the matmul);    (none: elemwise_add is widest)
-                    add/sub/mul promote to the widest type
-widest              addcmul, atan2, cat, stack, index_put   WIDEST_TYPE_CASTS
-passthrough         (everything not listed)                 FP16_FP32_FUNCS
-as_traced           (none: torch ops carry no typed bodies) (none)
-=================== ======================================= ===============================
-
-Differences, on purpose: softmax, log_softmax, layer/group norm and the losses are
-not primitives in JAX; they decompose into ``exp``, ``reduce_sum``, ``rsqrt``, ``log``
-which the lists put in float32, so they run in float32 as in torch. ``square`` and
-``integer_pow`` are float32 like torch's ``pow`` (``x**2`` overflows float16 above 256).
-That keeps ``jax.nn.gelu`` in float32 under float16 (torch's fused GELU computes in
-float32 inside too): in float16 the backward pass of its ``x**3`` overflows while tanh'
-is exactly 0, so a hand-set float16 model gets NaN gradients (0·inf) for any
-pre-activation with |x| >= ~150, at every loss scale.
-``sqrt``, ``tanh``, ``logistic`` and ``erf`` are passthrough as in torch.
-
-Under bfloat16 the defaults are :data:`BFLOAT16_LISTS`: ``square`` and ``integer_pow``
-are passthrough there, because bfloat16 has float32's range, and keeping ``x**3`` in
-float32 would run all of ``jax.nn.gelu`` in float32 (torch runs ``gelu`` in half
-precision as one op). MXNet AMP also keeps separate float16 and bfloat16 lists.
+A primitive in no list runs as traced. Integer, boolean, PRNG-key and float64 operands
+are never cast, and autocast recurses into the :data:`HIGHER_ORDER` primitives. Under
+bfloat16 the defaults are :data:`BFLOAT16_LISTS`. The autocast guide
+(``docs/guides/autocast.md``) sets the lists beside torch.autocast's and MXNet AMP's and
+says where and why they differ.
 
 The lists are immutable; edit a copy:
 
@@ -125,9 +73,23 @@ HIGHER_ORDER: frozenset[str] = frozenset({
 })
 """Primitives autocast recurses into; they belong to no list and cannot be added to one."""
 
-_LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+class _PrimitiveNames(frozenset):
+  """A frozenset of primitive names whose repr gives only their number.
 
-_FLOAT32 = frozenset({
+  The default lists are ``AutocastLists``' field defaults, so signatures and ``help()``
+  print them: ~250 names. In every other way this is a plain frozenset (equal to, and
+  hashed as, one with the same names); ``AutocastLists`` stores plain frozensets.
+  """
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return f"<jax primitives: {len(self)} names>"
+
+
+_LOW_PRECISION = _PrimitiveNames({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+_FLOAT32 = _PrimitiveNames({
     # exponentials, logarithms, powers (torch: exp, expm1, log*, pow, rsqrt)
     "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "integer_pow", "square", "rsqrt",
     "reciprocal",
@@ -145,12 +107,12 @@ _FLOAT32 = frozenset({
     "geqp3", "ormqr", "cholesky_update", "symmetric_product", "fft",
 })
 
-_FOLLOW_COMPUTE = frozenset({
+_FOLLOW_COMPUTE = _PrimitiveNames({
     # a bias, scale or residual stream added to, or multiplied into, a matmul's result
     "add", "sub", "mul",
 })
 
-_WIDEST = frozenset({
+_WIDEST = _PrimitiveNames({
     # binary arithmetic and comparisons: lax requires equal operand dtypes
     "add_any", "div", "rem", "max", "min", "atan2", "nextafter",
     "complex", "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
@@ -161,7 +123,7 @@ _WIDEST = frozenset({
     "polynomial",
 })
 
-_PASSTHROUGH = frozenset({
+_PASSTHROUGH = _PrimitiveNames({
     # elementwise functions fine in half precision (torch leaves them alone too)
     "abs", "neg", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt", "tanh",
     "logistic", "sin", "cos", "atan", "erf", "real", "imag", "conj", "reduce_precision",
@@ -192,7 +154,7 @@ _PASSTHROUGH = frozenset({
     "dim_as_value",
 })
 
-_AS_TRACED = frozenset({
+_AS_TRACED = _PrimitiveNames({
     # their params hold a combiner jaxpr typed at the traced dtype
     "reduce", "reduce_window", "select_and_scatter", "scatter", "scatter-add",
     "scatter-sub", "scatter-mul", "scatter-min", "scatter-max", "custom_linear_solve",

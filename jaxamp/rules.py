@@ -3,37 +3,24 @@
 A rule maps a *target* to a *policy*:
 
 - a module **class** (``nnx.Linear``, ``flax.linen.Dense``, your own class): the rule
-  applies to that class and its subclasses; when several class rules match, the most
-  specific class (nearest in the MRO) wins;
-- a **path pattern** string matched against the module's path, ``'/'``-joined
-  (``'blocks/0/attn'``). Patterns are *globs* over path segments: ``*`` matches one
-  segment (or part of one, as in ``'block_*'``), ``**`` matches any number of segments,
-  ``?`` one character. Pass a compiled ``re.Pattern`` for a regular expression (matched with
-  ``fullmatch``). Among path rules the most recently set wins.
-
-Precedence: explicit path rules beat class rules, which beat the enclosing policy.
-A module without a matching rule inherits the policy of the module that contains it,
-the top model taking the model-level policy.
+  applies to that class and its subclasses; the most specific class (nearest in the
+  MRO) wins;
+- a **path pattern**, a glob over the ``'/'``-joined module path (``'blocks/*/attn'``:
+  ``*`` matches one segment or part of one, ``**`` any number of segments, ``?`` one
+  character), or a compiled ``re.Pattern`` (``fullmatch``). The most recent path rule
+  wins.
 
 A rule's policy is anything :func:`jaxamp.get_policy` accepts, or a callable
-``enclosing_policy -> Policy`` for rules relative to the surrounding policy, such as
-the default for normalization layers, :func:`float32_compute`: compute in float32 and
-return the surrounding compute dtype (Keras does the same for its norm layers).
-BatchNorm, LayerNorm, RMSNorm and GroupNorm of both Flax APIs have that default;
-override it with the same rules, e.g. ``set_policy(nnx.LayerNorm, 'mixed_bfloat16')``.
-
-Normalization layers that are not Flax's (a model's own ``BatchNorm`` class, written
-from scratch) are found by class name: a class whose name matches
-:data:`NORM_NAME_PATTERN` (``BatchNorm``, ``LayerNorm2d``, ``RMSNormGated``,
-``GroupNormalization``; not ``Normal`` or ``Normalize``) and that no class rule covers
-gets the rule set for the target :data:`NAMED_NORMS`, :func:`float32_compute` by
-default (Flax's norm classes and their subclasses are left to their class rules). ``set_policy(NAMED_NORMS, None)`` turns that detection off,
-``set_policy(MyClass, lambda enclosing: enclosing)`` exempts one class, and
-``set_policy(MyNorm, float32_compute)`` adds a norm whose name does not say so.
+``enclosing_policy -> Policy`` such as :func:`float32_compute` (compute in float32,
+return the surrounding compute dtype), the default rule of the Flax norm classes.
+Norm classes that are not Flax's are found by name (:data:`NORM_NAME_PATTERN`:
+``BatchNorm``, ``LayerNorm2d``, ``RMSNormGated``; not ``Normalize``) and get the rule
+set for :data:`NAMED_NORMS`, :func:`float32_compute` by default.
 
 Precedence, first match wins: path rules, then the most specific class rule (the
 built-in norm defaults are class rules), then the :data:`NAMED_NORMS` rule for a class
-named like a norm, then the enclosing policy.
+named like a norm, then the policy of the enclosing module (the top model taking the
+model-level policy). The policies guide (``docs/guides/policies.md``) has more.
 
 Example:
   >>> import jaxamp

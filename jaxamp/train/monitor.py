@@ -24,11 +24,10 @@ class DeferredFullCollections:
 
   Tracing a train step allocates container objects by the hundred thousand (tracers,
   equations, pytree nodes), and every few hundred thousand the collector walks the
-  whole heap: with a large model, a compiled program or a dataset alive, one such walk
-  took ~0.2 s on a 2-core CPU, and the 48-layer transformer of ``benchmarks/compile``
-  made 4-5 of them per trace. A change proposed for PyTorch's dynamo
-  (pytorch/pytorch#193289) defers them while it compiles, as this does while jaxamp
-  traces a step. Garbage that reached the oldest
+  whole heap, which is slow with a large model, a compiled program or a dataset alive,
+  and a large model's trace sets off several such walks (``benchmarks/compile``). A
+  change proposed for PyTorch's dynamo (pytorch/pytorch#193289) defers them while it
+  compiles, as this does while jaxamp traces a step. Garbage that reached the oldest
   generation meanwhile waits for the next full collection after it. Re-entrant and
   shared by threads: the first to enter raises the threshold, the last to leave puts
   the one it found back.
