@@ -326,6 +326,34 @@ def policy_rules(rules: Mapping[Target, RuleSpec | None] | None = None) -> Itera
     _scopes.stack.pop()
 
 
+def snapshot() -> dict[Any, Rule]:
+  """The rules in force for this thread now (a copy), for :func:`installed`.
+
+  Example:
+    >>> import jaxamp
+    >>> from jaxamp.rules import installed, snapshot
+    >>> with jaxamp.policy_rules({'head': 'float32'}):
+    ...   rules = snapshot()
+    >>> with installed(rules):
+    ...   jaxamp.resolve_policy(object, 'head', jaxamp.get_policy('bfloat16')).name
+    'float32'
+  """
+  with _editing() as rules:
+    return dict(rules)
+
+
+@contextlib.contextmanager
+def installed(rules: Mapping[Any, Rule]) -> Iterator[None]:
+  """Makes exactly ``rules`` (a :func:`snapshot`) the rules of this thread for a ``with``
+  block, whatever is in force around it; the train step traces under the rules its
+  ``init`` saw."""
+  _scopes.stack.append(dict(rules))
+  try:
+    yield
+  finally:
+    _scopes.stack.pop()
+
+
 @contextlib.contextmanager
 def norm_defaults(spec: RuleSpec | None) -> Iterator[None]:
   """Replaces the default norm rule with ``spec`` for a ``with`` block; user rules stay.

@@ -1461,3 +1461,34 @@ def test_a_model_kept_from_train_model_survives_the_donating_steps_after_it(api)
     module.apply(variables, batches[0]["x"])
     np.testing.assert_array_equal(np.asarray(jax.tree.leaves(variables["params"])[0]), kernel)
     assert any(x.is_deleted() for x in jax.tree.leaves(shared[1]["params"]))
+
+
+def _dots(text):
+  """The element types of the StableHLO dot_generals' results in ``text``: 'f32'/'bf16'."""
+  import re
+  return re.findall(r"stablehlo\.dot_general.*->\s*tensor<[0-9x]*x?(f32|bf16|f16)>", text)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_the_step_runs_under_the_rules_in_force_at_init_wherever_it_is_called(api):
+  """policy_rules around make_train_step and init, the loop after the block (or in
+  another thread, or eval after it): init stored the head float32, and the step must
+  compute it in float32 too (it compiled with 0 float32 dots)."""
+  import threading
+
+  head = "l2" if api == "nnx" else "Dense_1"
+  batch = make_batches(1)[0]
+  with jaxamp.policy_rules({head: "float32"}):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
+                                   donate=False)
+    state = init(train, api, batchnorm=False)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+  texts = {"step": train.lower(state, batch).as_text(),
+           "eval": jax.jit(train.eval_step_fn).lower(state, batch).as_text()}
+  thread = threading.Thread(target=lambda: texts.update(
+      thread=jax.jit(train.step_fn).lower(state, batch).as_text()))
+  thread.start()
+  thread.join()
+  for where, text in texts.items():
+    dots = _dots(text)
+    assert "f32" in dots and "bf16" in dots, (where, dots)

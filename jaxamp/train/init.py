@@ -19,6 +19,7 @@ from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
 from jaxamp import linen as amp_linen
 from jaxamp import nnx as amp_nnx
+from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
 from jaxamp.rules import asks_for_fp8, path_name, warn_unmatched_path_rules
@@ -110,6 +111,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
          *example_args: Any, **example_kwargs: Any) -> tuple[TrainState, Plan]:
   """The first state for ``model`` and the plan of the step that trains it (the state
   not yet placed on the mesh). See :meth:`jaxamp.TrainStep.init`."""
+  rules = rules_lib.snapshot()  # the step traces under the rules in force now
   model, recompute = unwrap(options, model)
   # Each init decides afresh: a wrapped model's request does not outlive it.
   recompute = options.recompute_norms or recompute
@@ -159,5 +161,5 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
               unit_scale=built.unit_scale, overflow=built.overflow,
               fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                            if split.fp8_rows is not None else {}),
-              param_specs=specs, gather_dtypes=gather_dtypes)
+              param_specs=specs, gather_dtypes=gather_dtypes, rules=rules)
   return state, plan

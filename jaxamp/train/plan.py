@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -21,10 +21,11 @@ import optax
 
 from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy
+from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
 from jaxamp.train.loss import check_signature
 
-__all__ = ["Options", "Plan", "level_rules", "autocast_under_level"]
+__all__ = ["Options", "Plan", "level_rules", "rules_in_force", "autocast_under_level"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,8 @@ class Plan:
     state_shardings: with ``param_sharding``, the sharding of each state leaf.
     narrow_reads: parameter reads record their half-precision cotangents (turned off
       when ``loss_fn`` takes forward-mode derivatives over the parameters).
+    rules: the per-module rules in force at ``init`` (:func:`jaxamp.rules.snapshot`):
+      the step and eval step trace under them, wherever and whenever they are called.
   """
 
   options: Options
@@ -124,6 +127,7 @@ class Plan:
   gather_dtypes: tuple[Any, ...] | None = None
   state_shardings: Any = None
   narrow_reads: bool = True
+  rules: Mapping[Any, Any] | None = None
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:
@@ -147,6 +151,14 @@ def level_rules(options: Options) -> Any:
   if options.level is not None:
     return norm_defaults(options.level.norm_rule())
   return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def rules_in_force(plan: Plan) -> Iterator[None]:
+  """While the step traces: the rules ``init`` saw, and the opt level's norm rule."""
+  with (rules_lib.installed(plan.rules) if plan.rules is not None
+        else contextlib.nullcontext()), level_rules(plan.options):
+    yield
 
 
 def autocast_under_level(options: Options, fn: Callable[..., Any],

@@ -29,7 +29,7 @@ from jaxamp.casting import cast_floating, narrow_cotangents
 from jaxamp.rules import path_name
 from jaxamp.train import devices, layout, update
 from jaxamp.train.loss import F32, call_user
-from jaxamp.train.plan import Plan, autocast_under_level, level_rules
+from jaxamp.train.plan import Plan, autocast_under_level, rules_in_force
 from jaxamp.train.state import TrainState
 
 __all__ = ["step", "eval_step"]
@@ -38,7 +38,7 @@ __all__ = ["step", "eval_step"]
 def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
   """One training step: the new state and the metrics (``loss``, ``loss_scale``,
   ``grads_finite``, ``grad_norm``, ``skipped_steps``, and the aux)."""
-  with level_rules(plan.options):
+  with rules_in_force(plan):
     return _step(plan, state, batch)
 
 
@@ -108,6 +108,6 @@ def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
                                  train=False, float32_outputs=options.float32_outputs)
     return cast_floating(call_user(options.evaluate, model, batch), F32)
 
-  with level_rules(options), fp8_lib.state_scope(state.fp8):
+  with rules_in_force(plan), fp8_lib.state_scope(state.fp8):
     return autocast_under_level(options, run, batch_argnum=2)(params, state.model_state,
                                                               batch)
