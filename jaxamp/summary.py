@@ -163,12 +163,14 @@ def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tu
   """
   groups: dict[str, list[tuple[str, Any]]] = {m: [] for m in module_paths}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = _leaf_name(path)
+    name = leaf_name(path)
     groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
   return groups
 
 
-def _leaf_name(path: Any) -> str:
+def leaf_name(path: Any) -> str:
+  """The ``'/'``-joined path of a parameter leaf (an ``nnx.Variable``'s ``value`` key
+  dropped), as module paths name it: ``'layers/0/kernel'``."""
   name = path_name(path)
   if name == VARIABLE_VALUE_KEY or name.endswith("/" + VARIABLE_VALUE_KEY):
     name = name[:-len(VARIABLE_VALUE_KEY)].rstrip("/")  # nnx.Variable's own pytree child
@@ -204,7 +206,7 @@ def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
   module_paths = list(policies)
 
   def cast(path: Any, leaf: Any) -> Any:
-    owner = _owner(_leaf_name(path), module_paths)
+    owner = _owner(leaf_name(path), module_paths)
     if owner not in policies or not is_floating_array(leaf):
       return leaf
     dtype = np.dtype(dtype_of(policies[owner]))

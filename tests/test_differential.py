@@ -143,6 +143,65 @@ for name in ('replicated', 'fsdp'):
     return train.trace_count
   traces[name] = attempt(case)
 out['traces'] = traces
+
+
+# Gathered in the dtype each reader needs: a tied parameter read by a float32 module
+# besides its bfloat16 owner, and a Linen model initialised without example inputs (its LayerNorm float32).
+class Head(nnx.Module):
+  def __init__(self, table):
+    self.table = table  # the embedding's own Param: tied
+
+  def __call__(self, h):
+    return h @ self.table[...].T
+
+
+class Tied(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(64, 16, rngs=rngs)
+    self.body = nnx.Linear(16, 16, rngs=rngs)
+    self.head = Head(self.embed.embedding)
+
+  def __call__(self, ids):
+    return self.head(jax.nn.relu(self.body(self.embed(ids))))
+
+
+import flax.linen as nn
+
+
+class LinenNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(nn.LayerNorm()(nn.Dense(32)(x)))
+
+
+def gathered(kind, **kw):
+  def lm_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model(batch['ids']), batch['ids']).mean()
+  ids = np.random.RandomState(1).randint(0, 64, (16, 4)).astype(np.int32)
+  if kind == 'tied':
+    # float32 but the embedding (its first owner): the head must read the table in
+    # float32, and gathering it in the embedding's bfloat16 would round it.
+    with jaxamp.policy_rules({'embed': 'mixed_bfloat16'}):
+      train = jaxamp.make_train_step(lm_loss, optax.sgd(0.5), policy='float32', **kw)
+      state = train.init(Tied(nnx.Rngs(0)))
+    batch = {'ids': ids}
+  else:
+    module = LinenNorm()
+    variables = module.init(jax.random.key(0), jnp.zeros((1, 16)))
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', **kw)
+    state = train.init(module, variables)  # no example inputs
+    batch = batches[0]
+  losses = []
+  for _ in range(3):
+    state, m = train.step(state, batch)
+    losses.append(float(m['loss']))
+  return [np.asarray(x, np.float32) for x in jax.tree.leaves(state.params)] + [np.array(losses)]
+
+
+fsdp_kw = dict(mesh=mesh, batch_axis='data', param_sharding=jaxamp.fsdp('data', min_size=1))
+out['gather'] = {kind: attempt(lambda: difference(gathered(kind, **fsdp_kw), gathered(kind)))
+                 for kind in ('tied', 'linen without example inputs')}
 print('RESULT', json.dumps(out))
 """
 
@@ -172,6 +231,15 @@ def test_a_state_of_another_layout_is_moved_to_the_steps_layout(differences, mov
   the step's own state."""
   got = differences["moved"][move]
   assert isinstance(got, float) and got < 1e-6, got
+
+
+@pytest.mark.parametrize("kind", ["tied", "linen without example inputs"])
+def test_fsdp_gathers_each_parameter_in_the_dtype_its_readers_need(differences, kind):
+  """FSDP gathered each parameter in one owner's compute dtype: a tied parameter read by
+  a float32-ruled module, and a Linen model's LayerNorm when init had no example inputs,
+  were gathered in bfloat16 and trained away from one device."""
+  got = differences["gather"][kind]
+  assert isinstance(got, float) and got < 2e-6, got
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxamp import _flax_compat
@@ -23,7 +24,7 @@ from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
 from jaxamp.rules import asks_for_fp8, path_name, warn_unmatched_path_rules
-from jaxamp.summary import cast_module_params
+from jaxamp.summary import cast_module_params, leaf_name
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import LinenAdapter, NNXAdapter
 from jaxamp.train.loss import F32
@@ -41,6 +42,7 @@ class _Split(NamedTuple):
   model_state: Any
   rows: list[Any] | None  # (path, class, policy) per module
   fp8_rows: list[Any] | None  # the rows of modules that keep FP8 state
+  holders: dict[str, list[str]]  # tied params: the modules holding each
 
 
 def unwrap(options: Options, model: Any) -> tuple[Any, bool]:
@@ -71,7 +73,8 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
                  if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
       fp8_rows = [row for row in rows if row[0] not in stacked]
     graphdef, params, model_state = NNXAdapter.split(model)
-    return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows)
+    return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows,
+                  _holders(model))
   if variables is None or "params" not in variables:
     raise ValueError("For a Linen module call init(module, variables), where variables "
                      "is module.init(...)'s result with a 'params' collection.")
@@ -87,7 +90,7 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
                      "layers that keep FP8 state from them.")
   model_state = {k: v for k, v in variables.items() if k != "params"}
   return _Split(LinenAdapter(model, recompute), variables["params"], model_state, rows,
-                fp8_rows)
+                fp8_rows, {})
 
 
 def _stored(options: Options, params: Any, rows: list[Any] | None, model: str) -> Any:
@@ -105,6 +108,51 @@ def _stored(options: Options, params: Any, rows: list[Any] | None, model: str) -
         "params ('mixed_float16'), or bfloat16 (float32's range), or keep their "
         "modules in float32 with a rule (jaxamp.policy_rules({'<path>': 'float32'})).")
   return cast
+
+
+def _gather_dtypes(params: Any, rows: list[Any] | None,
+                   holders: Mapping[str, list[str]]) -> tuple[Any, ...]:
+  """The dtype each param leaf is all-gathered in under ``param_sharding``.
+
+  The compute dtype of the module owning it: the dtype that module casts it to anyway,
+  so the cast before the gather changes no value and halves the bytes on the wire.
+  Where that is not known to be the only reader's dtype, the widest that can be: a
+  parameter several modules hold (tied weights) is gathered in the widest of their
+  compute dtypes, and without per-module policies (a Linen module initialised without
+  example inputs, where norms and ruled modules cannot be found) in its stored dtype.
+  """
+  if rows is None:
+    return tuple(x.dtype for x in jax.tree.leaves(params))
+  policies: dict[str, Any] = {}
+  for path, _, policy in rows:
+    policies.setdefault(path, policy)
+  compute = jax.eval_shape(
+      lambda p: cast_module_params(p, rows, lambda q: q.compute_dtype), params)
+  out = []
+  for (path, leaf), stored in zip(jax.tree_util.tree_flatten_with_path(compute)[0],
+                                  jax.tree.leaves(params)):
+    readers = [policies[h] for h in holders.get(leaf_name(path), []) if h in policies]
+    dtype = leaf.dtype
+    if len(readers) > 1 and is_floating_array(stored):
+      dtype = max([dtype, *(np.dtype(r.compute_dtype) for r in readers)],
+                  key=lambda d: np.dtype(d).itemsize)
+    out.append(dtype)
+  return tuple(out)
+
+
+def _holders(model: nnx.Module) -> dict[str, list[str]]:
+  """``{param path: paths of the modules holding it}`` for parameters that more than one
+  module holds as an attribute (tied weights)."""
+  first: dict[int, str] = {}
+  held: dict[int, list[str]] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Param):
+      first.setdefault(id(node), path_name(path))
+    elif isinstance(node, nnx.Module):
+      for value in vars(node).values():
+        if isinstance(value, nnx.Param):
+          held.setdefault(id(value), []).append(path_name(path))
+  return {first[k]: v for k, v in held.items() if len(v) > 1 and k in first}
 
 
 def init(options: Options, model: Any, variables: Mapping[str, Any] | None = None,
@@ -129,12 +177,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     params, model_state = _flax_compat.unbox((params, model_state))
   params = _stored(options, params, rows, name)
   if specs is not None:
-    # Each parameter is gathered in the compute dtype of the module owning it: the dtype
-    # the module casts it to anyway, so the cast before the gather changes no value.
-    compute = jax.eval_shape(lambda p: (
-        options.policy.cast_to_compute(p) if rows is None
-        else cast_module_params(p, rows, lambda q: q.compute_dtype)), params)
-    gather_dtypes = tuple(x.dtype for x in jax.tree.leaves(compute))
+    gather_dtypes = _gather_dtypes(params, rows, split.holders)
   master_weights = options.master_weights
   if master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
