@@ -11,23 +11,14 @@ float32 and returned in the compute dtype.
 
 - :class:`DelayedScaling` (the default; Transformer Engine's and flax's defaults:
   history of 1024 amaxes, ``'max'`` over it, margin 0): each tensor is quantized with
-  a scale computed from the amaxes of earlier steps, ``scale = FP8_MAX / amax /
-  2**margin`` (kept when that amax is 0 or not finite); this step's amax goes into the
-  history.
+  a scale computed from the amaxes of earlier steps.
 - :class:`CurrentScaling`: each tensor is scaled by its own amax, computed in the step.
 
-State: :class:`Fp8Meta` per FP8 module, an amax history ``[3, L]`` (rows: input,
-kernel, output gradient; newest first) and the three scales. It lives in
-``TrainState.fp8``, not among the parameters: flax keeps it in a parameter collection
-that the optimizer must be told to leave alone and that a skipped step would still
-overwrite. Here the step threads it through the forward pass; the backward pass hands
-the new history out as the cotangent of the history (the only way out of ``jax.grad``
-for the output gradient's amax), the step takes that value as is (no optimizer, no
-unscaling, no finite check), recomputes the scales, and keeps the old state on a step
-it skips. It is a plain pytree, so orbax saves it with the rest of the state.
-
-Outside :func:`jaxamp.make_train_step` (a plain ``jaxamp.nnx.with_policy`` call) there is
-no state to read: FP8 modules then use current scaling.
+State: :class:`Fp8Meta` per FP8 module, an amax history ``[3, L]`` (input, kernel,
+output gradient) and the three scales, in ``TrainState.fp8``, not among the parameters:
+the optimizer never sees it and a skipped step keeps it. Outside
+:func:`jaxamp.make_train_step` there is no state to read: FP8 modules then use current
+scaling. The FP8 guide (``docs/guides/fp8.md``) has the scale rule and the limits.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -267,10 +258,20 @@ def _fp8_dot_bwd(dims, delayed, margin, residuals, g):
                                     precision=None, preferred_element_type=_F32)
   d_rhs = dot_general_transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
                                     precision=None, preferred_element_type=_F32)
-  d_lhs = (d_lhs / (s_g * s_rhs)).astype(lhs_like.dtype)
-  d_rhs = (d_rhs / (s_g * s_lhs)).astype(rhs_like.dtype)
+  # An output gradient holding inf or NaN (a loss-scaled float16 backward pass that
+  # overflowed) must not come out finite, clipped to 57344 by the E5M2 cast: its NaN
+  # makes the step non-finite, so the loss scale backs off and the step is skipped,
+  # as without FP8.
+  overflow = jnp.where(jnp.isfinite(a_g), 0.0, jnp.nan).astype(_F32)
+  d_lhs = (d_lhs / (s_g * s_rhs) + overflow).astype(lhs_like.dtype)
+  d_rhs = (d_rhs / (s_g * s_lhs) + overflow).astype(rhs_like.dtype)
   # The new history leaves as the history's "gradient"; the train step takes it as is.
-  new_history = jnp.roll(history, 1, axis=1).at[:, 0].set(jnp.stack([a_lhs, a_rhs, a_g]))
+  # A non-finite amax is recorded as the largest value the dot used (FP8_MAX / scale):
+  # an inf in the history would freeze that scale for as many steps as it holds.
+  amaxes = jnp.stack([a_lhs, a_rhs, a_g])
+  used = jnp.asarray(_MAX, _F32) / jnp.stack([s_lhs, s_rhs, s_g])
+  amaxes = jnp.where(jnp.isfinite(amaxes), amaxes, used)
+  new_history = jnp.roll(history, 1, axis=1).at[:, 0].set(amaxes)
   return d_lhs, d_rhs, new_history, jnp.zeros_like(scale)
 
 
@@ -321,10 +322,12 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
 
 
 class _Scope:
-  """One traced forward pass: the FP8 state it reads and which modules used it."""
+  """One traced forward pass: the FP8 state it reads and, in a train step's forward
+  pass (``record``), which modules used it."""
 
-  def __init__(self, state: Mapping[str, Fp8Meta]):
+  def __init__(self, state: Mapping[str, Fp8Meta], record: bool = False):
     self.state = dict(state)
+    self.record = record
     self.names: dict[int, str] = {}  # id(NNX module) -> path
     self.used: set[str] = set()
 
@@ -339,12 +342,20 @@ _local = _Local()
 
 
 @contextlib.contextmanager
-def state_scope(state: Mapping[str, Fp8Meta] | None) -> Iterator[_Scope | None]:
-  """Makes ``state`` (path -> :class:`Fp8Meta`) what FP8 modules read in this block."""
-  if not state:
+def state_scope(state: Mapping[str, Fp8Meta] | None, *,
+                record: bool = False) -> Iterator[_Scope | None]:
+  """Makes ``state`` (path -> :class:`Fp8Meta`) what FP8 modules read in this block.
+
+  ``record``: the block is a train step's forward pass, whose backward pass hands out
+  the new histories: each module's use is recorded (a module run twice is refused), and
+  a delayed-scaling layer without state (even with no state at all) warns that it falls
+  back to current scaling. Without it (eval) modules only read their scales, as often
+  as they run.
+  """
+  if not state and not record:
     yield None
     return
-  scope = _Scope(state)
+  scope = _Scope(state or {}, record)
   _local.scopes.append(scope)
   try:
     yield scope
@@ -358,14 +369,30 @@ def name_modules(named: Mapping[int, str]) -> None:
     _local.scopes[-1].names.update(named)
 
 
+# The attribute naming an NNX module's FP8 state key. A static attribute travels in the
+# graphdef, so the copies nnx.remat and nnx.scan make inside them keep it (their ids
+# are not the ones name_modules saw).
+_PATH_ATTR = "_jaxamp_fp8_path"
+
+
 def name_nnx_modules(model: Any, path_name: Callable[[Any], str]) -> None:
-  """Tells the running scope (if any) the path of each module of an NNX ``model``."""
+  """Tells the running scope (if any) the path of each module of an NNX ``model``.
+
+  ``model`` must be the step's own copy (``nnx.merge``'s): its FP8 layers are labelled
+  with their paths.
+  """
   if not _local.scopes:
     return
   from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jaxamp._flax_compat import set_attr_unchecked  # pylint: disable=g-import-not-at-top
 
-  name_modules({id(node): path_name(path) for path, node in nnx.iter_graph(model)
-                if isinstance(node, nnx.Module)})
+  named = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      named[id(node)] = path_name(path)
+      if isinstance(node, nnx_classes()):
+        set_attr_unchecked(node, _PATH_ATTR, named[id(node)])
+  name_modules(named)
 
 
 @contextlib.contextmanager
@@ -388,18 +415,21 @@ def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., An
   """
   scope = _local.scopes[-1] if _local.scopes else None
   meta = scope.state.get(path) if scope is not None and path is not None else None
-  if scope is not None and scope.state and meta is None and isinstance(
-      recipe, DelayedScaling):
-    _warn_once.warn_once(
-        ("fp8.stateless", what),
-        f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a layer "
-        "inside a scan/vmap transform, or one created during the call): it runs with "
-        "current scaling (each tensor scaled by its own amax). Keep it out of FP8 with a "
-        "jaxamp.set_policy rule to silence this.", RuntimeWarning, stacklevel=2)
 
   def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
           **kwargs):
-    if meta is not None:
+    # Warned when the matmul runs, not when the layer is set up: a lifted transform's
+    # wrapper (nn.remat's) gets a dot that only its clone, named by its own path, runs.
+    if scope is not None and scope.record and meta is None and isinstance(
+        recipe, DelayedScaling):
+      _warn_once.warn_once(
+          ("fp8.stateless", what),
+          f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a "
+          "layer inside a scan/vmap/remat transform, or one created during the call): it "
+          "runs with current scaling (each tensor scaled by its own amax). Keep it out of "
+          "FP8 with a jaxamp.set_policy rule to silence this.", RuntimeWarning,
+          stacklevel=2)
+    if meta is not None and scope.record:
       if path in scope.used:
         raise ValueError(
             f"FP8 module {path!r} ran twice in one step; its state holds one history per "
@@ -409,6 +439,7 @@ def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., An
     return scaled_dot_general(lhs, rhs, dimension_numbers, precision,
                               preferred_element_type, meta=meta, recipe=recipe, **kwargs)
 
+  dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
   return dot
 
 
@@ -459,27 +490,31 @@ def scaled_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *, precision:
 
 
 def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
-                used: set[str], recipes: Mapping[str, Fp8Recipe]) -> dict[str, Fp8Meta]:
-  """The state after a step: new histories of the modules that ran, scales recomputed."""
+                used: set[str], recipes: Mapping[str, Fp8Recipe],
+                axes: Any = None) -> dict[str, Fp8Meta]:
+  """The state after a forward and backward pass: new histories of the modules that
+  ran, scales recomputed.
+
+  ``axes``: inside ``shard_map``, the mesh axes the batch is split over. Each device's
+  newest amaxes are maxed over them before the scales are recomputed (Transformer
+  Engine's amax all-reduce), so every device quantizes the next pass (the next
+  micro-batch, or the next step) with the same scales, those of the whole batch.
+  """
   out = {}
   for path, meta in old.items():
     if path in used:
-      out[path] = update_scales(Fp8Meta(cotangent[path].amax_history, meta.scale),
-                                recipes[path])
+      # The cotangent is the rolled history with this pass's amaxes in front, summed
+      # over the times the matmul ran: only its newest column is taken (the rest is the
+      # old history rolled). A body run n times (a module shared into an nnx.scan) then
+      # records the sum of its n amaxes, a bound on their max; one not run, zeros.
+      newest = cotangent[path].amax_history[:, 0]
+      if axes:
+        newest = lax.pmax(newest, axes)
+      history = jnp.roll(meta.amax_history, 1, axis=1).at[:, 0].set(newest)
+      out[path] = update_scales(Fp8Meta(history, meta.scale), recipes[path])
     else:
       out[path] = meta
   return out
-
-
-def reduce_state(new: Mapping[str, Fp8Meta] | None, old: Mapping[str, Fp8Meta] | None,
-                 recipes: Mapping[str, Fp8Recipe], axes: Any) -> dict[str, Fp8Meta] | None:
-  """Inside ``shard_map``: each device's newest amaxes maxed over ``axes`` and the scales
-  recomputed from them, so every device quantizes with the same scales next step (what
-  Transformer Engine's amax all-reduce does)."""
-  if not new:
-    return new
-  return {path: update_scales(Fp8Meta(lax.pmax(meta.amax_history, axes), old[path].scale),
-                              recipes[path]) for path, meta in new.items()}
 
 
 # --- which modules run in FP8 -------------------------------------------------------------
@@ -549,7 +584,9 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   LinearGeneral) or ``einsum_op`` (Einsum); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
-  path = _local.scopes[-1].names.get(id(module)) if _local.scopes else None
+  path = None
+  if _local.scopes:
+    path = vars(module).get(_PATH_ATTR, _local.scopes[-1].names.get(id(module)))
   what = f"{type(module).__name__} {path or '(unnamed)'}"
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -574,8 +611,9 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
   """
   if getattr(policy, "fp8", None) is None or not isinstance(module, _linen_classes()):
     return {}
-  if module.dot_general_cls is not None or module.dot_general is not None:
-    return {}
+  if module.dot_general_cls is not None or (
+      module.dot_general is not None and not getattr(module.dot_general, "jaxamp_fp8", False)):
+    return {}  # the user's own dot (a lifted clone inherits ours: it gets its own)
   name = "/".join(path)
   return {"dot_general": _dot_for(None if lifted else name, policy.fp8,
                                   f"{type(module).__name__} {name}")}

@@ -193,6 +193,58 @@ def test_overflow_step_keeps_fp8_state_bit_identical():
   assert not np.array_equal(np.asarray(state.fp8[""].amax_history), before[0][""].amax_history)
 
 
+def test_float16_compute_overflowing_gradient_skips_as_mixed_float16():
+  """FP8 with float16 compute: a loss-scaled output gradient past float16's range (inf)
+  must not come out of the E5M2 cast clipped to 57344 and finite. The steps skip and the
+  loss scale backs off exactly as under 'mixed_float16'; a skipped step leaves the FP8
+  state as it was, and no history ever holds inf."""
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(4, 8) * 0.1, jnp.float32)  # kernel gradients stay in range
+  c = rng.randn(4, 3).astype(np.float32)
+  c = jnp.asarray(c / np.abs(c).max() * 8)  # output gradient 8 * scale: inf above 4096
+  runs = {}
+  for policy in ("mixed_float16", "p=f32,c=f16,fp8=delayed", "p=f32,c=f16,fp8=current"):
+    train = jaxamp.make_train_step(lambda m, b: jnp.sum(m(b) * c), optax.sgd(1e-3),
+                                   policy=policy)
+    state = train.init(nnx.Linear(8, 3, use_bias=False, rngs=nnx.Rngs(0)))
+    kernel0 = np.asarray(state.params["kernel"][...])
+    fp8_0 = jax.tree.map(np.asarray, state.fp8)  # copies: the step donates the state
+    seen = []
+    for _ in range(4):
+      state, metrics = train.step(state, x)
+      seen.append((bool(metrics["grads_finite"]), float(metrics["loss_scale"])))
+      if not seen[-1][0] and fp8_0 is not None:  # skipped: the state as it was
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.fp8),
+                     fp8_0)
+    runs[policy] = seen, np.asarray(state.params["kernel"][...]) - kernel0
+    if state.fp8 is not None:
+      history = np.asarray(state.fp8[""].amax_history)
+      assert np.isfinite(history).all() and history[2, 0] == 8 * 4096, history
+  expected = [(False, 16384.0), (False, 8192.0), (False, 4096.0), (True, 4096.0)]
+  for policy, (seen, update) in runs.items():
+    assert seen == expected, (policy, seen)
+    # the one applied update is the true one, up to FP8 rounding (not ~0.43x of it)
+    ref = runs["mixed_float16"][1]
+    assert np.linalg.norm(update - ref) < 0.1 * np.linalg.norm(ref), policy
+
+
+def test_nonfinite_amax_is_recorded_as_what_the_dot_used():
+  """An input holding inf is clipped to 448 by the E4M3 cast (as in Transformer Engine);
+  its history records the largest value the dot used (448 / scale), not inf, which
+  would freeze that scale for the history's length."""
+  meta = jaxamp.fp8.Fp8Meta(jnp.zeros((3, 2)), jnp.float32([2.0, 4.0, 8.0]))
+  x = jnp.ones((2, 4)).at[0, 0].set(jnp.inf)
+  w = jnp.full((4, 3), 0.5)
+
+  def f(x, w, history):
+    m = jaxamp.fp8.Fp8Meta(history, meta.scale)
+    return jnp.sum(jaxamp.fp8.scaled_dot_general(
+        x, w, (((1,), (0,)), ((), ())), meta=m, recipe=jaxamp.DelayedScaling()))
+
+  history = jax.grad(f, argnums=2)(x, w, meta.amax_history)
+  np.testing.assert_array_equal(np.asarray(history[:, 0]), [224.0, 0.5, 1.0])
+
+
 def test_fp8_state_is_not_in_the_optimizer_and_round_trips_orbax(tmp_path):
   import orbax.checkpoint as ocp
 
@@ -348,7 +400,7 @@ c = rng.randn(8, 3).astype(np.float32) * np.linspace(1, 3, 8, dtype=np.float32)[
 batch = {{"x": jnp.asarray(x), "c": jnp.asarray(c)}}
 policy = jaxamp.Policy(jnp.float32, jnp.float32, fp8=jaxamp.DelayedScaling(amax_history_len=4))
 
-def run(divide, **kw):
+def run(divide, batch=batch, **kw):
   # loss = sum(y * c) / divide: the output gradient is c / divide, row by row.
   train = jaxamp.make_train_step(lambda m, b: jnp.sum(m(b["x"]) * b["c"]) / divide,
                                  optax.sgd(0.01), policy=policy, **kw)
@@ -357,17 +409,34 @@ def run(divide, **kw):
     state, _ = train.step(state, batch)
   return state
 
+# With grad_accum_steps=2 device d's micro-batches are rows 2d and 2d+1. Device 0's
+# first row is small, its second large, the other devices' first rows large: a device
+# rescaling from its own amaxes between micro-batches would clip its second.
+x2 = x * np.float32([0.001, 3, 3, 1, 3, 1, 3, 1])[:, None]
+accum = {{"x": jnp.asarray(x2), "c": jnp.asarray(c)}}
+# One device whose micro-batches hold the same rows (loss and gradient sums are
+# order-free).
+order = [0, 2, 4, 6, 1, 3, 5, 7]
+accum_one = {{"x": jnp.asarray(x2[order]), "c": jnp.asarray(c[order])}}
+
 # Data parallel: each device's loss is its shard's sum, and the step averages the
 # gradients over 4 devices: one device dividing by 4 takes the same steps.
-single = run(4.0)
+singles = {{1: run(4.0), 2: run(4.0, accum_one, grad_accum_steps=2)}}
 mesh = jax.make_mesh((4,), ("data",))
-for name, kw in [("replicated", {{}}), ("fsdp", {{"param_sharding": jaxamp.fsdp("data", min_size=1)}})]:
-  state = run(1.0, mesh=mesh, **kw)
+fsdp = {{"param_sharding": jaxamp.fsdp("data", min_size=1)}}
+for name, kw in [("replicated", {{}}), ("fsdp", fsdp),
+                 ("replicated-accum", {{"grad_accum_steps": 2}}),
+                 ("fsdp-accum", {{"grad_accum_steps": 2, **fsdp}})]:
+  k = kw.get("grad_accum_steps", 1)
+  single, x = singles[k], np.asarray((batch, accum)[k - 1]["x"])
+  state = run(1.0, (batch, accum)[k - 1], mesh=mesh, **kw)
   meta, ref = state.fp8[""], single.fp8[""]
   hist, ref_hist = np.asarray(meta.amax_history), np.asarray(ref.amax_history)
-  # input and kernel amaxes: the whole batch's, on every device (maxed across them)
+  # input and kernel amaxes: the whole (micro-)batch's, on every device (maxed across
+  # them after each micro-batch)
   np.testing.assert_array_equal(hist[:2], ref_hist[:2])
-  assert hist[0, 0] == np.abs(x).max(), (hist, np.abs(x).max())
+  newest = np.abs(x.reshape(4, k, -1)[:, -1]).max()  # each device's last micro-batch
+  assert hist[0, 0] == newest, (name, hist, newest)
   # the gradient amax: 4x the single device's (it divided by 4), exactly
   np.testing.assert_array_equal(hist[2], 4 * ref_hist[2])
   np.testing.assert_array_equal(np.asarray(meta.scale)[:2], np.asarray(ref.scale)[:2])
@@ -556,3 +625,129 @@ def test_nnx_layers_with_state_give_no_current_scaling_warning(fresh_warnings):
     state, _ = train.step(state, x)
   assert not [w for w in seen if "delayed-scaling state" in str(w.message)]
   assert all(np.asarray(m.amax_history)[:, 0].all() for m in state.fp8.values())
+
+
+def _linen_scan_stack():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.relu(nn.Dense(8, name="inner")(x)), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                  length=2)(name="blocks")(x, None)[0]
+      return nn.Dense(2, name="head")(x)
+
+  return Stack()
+
+
+def _linen_remat_stack():
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2, name="head")(nn.relu(nn.remat(nn.Dense)(8, name="inner")(x)))
+
+  return Stack()
+
+
+class _NNXScanStack(nnx.Module):
+  def __init__(self):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(8, 8, rngs=rngs)
+
+    self.blocks = make(nnx.Rngs(0))
+    self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return nnx.relu(block(x))
+
+    return self.head(body(x, self.blocks))
+
+
+@pytest.mark.parametrize("make,layer", [(_linen_scan_stack, "Dense blocks/inner"),
+                                        (_linen_remat_stack, "Dense inner"),
+                                        (_NNXScanStack, "Linear blocks")])
+def test_fallback_to_current_scaling_warns_with_the_head_out_of_fp8(make, layer,
+                                                                    fresh_warnings):
+  """Every FP8 layer in a transform and the head ruled out: no FP8 state at all, and
+  still the promised warning, naming the layer."""
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
+  model = make()
+  with jaxamp.policy_rules({"head": "mixed_bfloat16"}):
+    train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                   policy="mixed_fp8")
+    if isinstance(model, nn.Module):
+      state = train.init(model, model.init(jax.random.key(0), x), x)
+    else:
+      state = train.init(model)
+    assert state.fp8 is None
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      state, metrics = train.step(state, x)
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and f"FP8 {layer} has no delayed-scaling state" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_nnx_remat_layers_keep_their_delayed_state(fresh_warnings):
+  """Layers called through nnx.remat (copies of the modules, made inside it) read and
+  move their own delayed-scaling state: the same histories and params as without
+  remat, and no fallback warning."""
+
+  class Block(nnx.Module):
+    def __init__(self):
+      self.lin = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return nnx.relu(self.lin(x))
+
+  class Stack(nnx.Module):
+    def __init__(self, remat):
+      self.remat = remat
+      self.block = Block()
+      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      call = lambda block, x: block(x)
+      return self.head((nnx.remat(call) if self.remat else call)(self.block, x))
+
+  policy = jaxamp.get_policy("mixed_fp8").with_fp8(jaxamp.DelayedScaling(amax_history_len=4))
+  states = []
+  for remat in (False, True):
+    train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                   policy=policy)
+    state = train.init(Stack(remat))
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      for b in _batches(2):
+        state, _ = train.step(state, b["x"])
+    assert not [w for w in seen if "current scaling" in str(w.message)]
+    states.append(jax.tree.map(np.asarray, (state.fp8, state.params)))
+  history = states[1][0]["block/lin"].amax_history
+  assert history[:, :2].all() and not history[:, 2:].any()  # two steps recorded
+  jax.tree.map(np.testing.assert_array_equal, states[1], states[0])
+
+
+def test_eval_step_may_call_an_fp8_model_twice():
+  """eval updates no FP8 state: an eval_fn calling the model twice (two views
+  averaged) runs, each call under the state's scales."""
+  recipe = jaxamp.DelayedScaling(amax_history_len=4)
+  train, state, _ = _linear_step(recipe)
+  twice = jaxamp.make_train_step(
+      lambda m, b: jnp.sum(m(b["x"])), optax.sgd(0.01),
+      policy=jaxamp.Policy(jnp.float32, jnp.float32, fp8=recipe),
+      eval_fn=lambda m, b: (m(b["x"]) + m(2 * b["x"])) / 2)
+  twice.init(nnx.Linear(8, 3, use_bias=False, rngs=nnx.Rngs(0)))  # the same structure
+  b = _batches(1)[0]
+  state, _ = train.step(state, b)
+  kernel, scale = np.asarray(state.params["kernel"][...]), np.asarray(state.fp8[""].scale)
+  x = np.asarray(b["x"])
+  expected = (emulated_dot(x, kernel, scale[0], scale[1]) +
+              emulated_dot(2 * x, kernel, scale[0], scale[1])) / 2
+  np.testing.assert_allclose(np.asarray(twice.eval_step(state, b)), expected, rtol=1e-6)

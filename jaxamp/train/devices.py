@@ -8,8 +8,9 @@ on that device's part of the batch, then
 - sharded (``param_sharding``): all-gathers each param slice in its compute dtype
   before the forward pass and reduce-scatters the gradients back to the params' layout;
 
-and in both averages the loss, combines ``loss_fn``'s aux, averages floating model
-state and takes the FP8 amaxes' maximum, so every device leaves with the same values.
+and in both averages the loss, combines ``loss_fn``'s aux and averages floating model
+state; the gradient stage takes the FP8 amaxes' maximum over the devices after every
+micro-batch. Every device leaves with the same values.
 Without a mesh it is the gradient stage itself.
 """
 
@@ -21,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp import fp8 as fp8_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.train import layout
@@ -54,12 +54,13 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
 
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
+    # The FP8 amaxes are maxed over the devices inside, after every micro-batch.
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, params, keys, batch, rng, scale, fp8)
+        plan, params, keys, batch, rng, scale, fp8, fp8_axes=axes)
     grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axes).astype(g.dtype),
                          grads)
     return (grads, *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)),
-            fp8_lib.reduce_state(new_fp8, fp8, plan.fp8_recipes, axes))
+            new_fp8)
 
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(P(), P(), P(axes), P(), P(), P()),
@@ -76,10 +77,9 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
     rng, keys = _per_device_keys(rng, model_state, axes)
     full = _gather(plan, params)
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, full, keys, batch, rng, scale, fp8, keep_float32=True)
+        plan, full, keys, batch, rng, scale, fp8, keep_float32=True, fp8_axes=axes)
     return (_reduce_scatter(plan, grads, params),
-            *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)),
-            fp8_lib.reduce_state(new_fp8, fp8, plan.fp8_recipes, axes))
+            *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)), new_fp8)
 
   specs = plan.param_specs
   sharded = jax.shard_map(local, mesh=plan.mesh,

@@ -15,21 +15,26 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp.rules import asks_for_fp8
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
 
 __all__ = ["loss_and_grads"]
 
 
-def _grad_fn(plan: Plan, weight: jax.Array) -> Callable[..., Any]:
+def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any) -> Callable[..., Any]:
   """``(params, fp8, model_state, batch, key) -> (grads, new fp8, (loss, aux, new model
   state))``: the gradients of the loss times ``weight``, and the FP8 state moved by the
-  forward pass's amaxes and (through its histories' cotangent) the backward pass's."""
+  forward pass's amaxes and (through its histories' cotangent) the backward pass's,
+  maxed over the mesh axes ``fp8_axes`` (inside ``shard_map``) if any."""
   options = plan.options
   used: set[str] = set()  # FP8 modules that ran, known once traced
 
   def scaled_loss(p, f8, ms, mb, key):
-    with fp8_lib.state_scope(f8) as scope:
+    # A scope even with no FP8 state, if some layer runs FP8: those that fall back to
+    # current scaling (all inside scans, say) warn.
+    record = bool(f8) or asks_for_fp8(options.policy)
+    with fp8_lib.state_scope(f8, record=record) as scope:
       model, new_state = plan.adapter.bind(p, ms, key, options.policy, train=True,
                                            float32_outputs=options.float32_outputs)
       loss, aux = split_loss(call_user(options.loss_fn, model, mb), options.has_aux)
@@ -42,17 +47,21 @@ def _grad_fn(plan: Plan, weight: jax.Array) -> Callable[..., Any]:
   def grad_fn(p, f8, ms, mb, key):
     (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
     if f8:
-      f8 = fp8_lib.merge_state(f8, f8_cot, used, plan.fp8_recipes)
+      f8 = fp8_lib.merge_state(f8, f8_cot, used, plan.fp8_recipes, fp8_axes)
     return g, f8, out
 
   return grad_fn
 
 
 def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: jax.Array,
-                   scale: jax.Array, fp8: Any = None, keep_float32: bool = False
-                   ) -> tuple[Any, jax.Array, Any, Any, Any]:
+                   scale: jax.Array, fp8: Any = None, keep_float32: bool = False,
+                   fp8_axes: Any = None) -> tuple[Any, jax.Array, Any, Any, Any]:
   """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
   with ``keep_float32``), and the new FP8 state.
+
+  ``fp8_axes``: inside ``shard_map``, the batch axes: the FP8 amaxes are maxed over them
+  after every micro-batch, so each device scales the next micro-batch as one device
+  holding the whole batch would.
 
   Returns:
     ``(grads, loss, aux, model_state, fp8)``: the gradients of the loss times
@@ -63,7 +72,7 @@ def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: j
   # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
   # k before scaling), so its float16 backward pass carries the values of the k=1 step's
   # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
-  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k)
+  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, fp8_axes)
   if k == 1:
     grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
     return grads, loss, aux, model_state, fp8
