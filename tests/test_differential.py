@@ -199,6 +199,50 @@ def gathered(kind, **kw):
   return [np.asarray(x, np.float32) for x in jax.tree.leaves(state.params)] + [np.array(losses)]
 
 
+# Model state a module updates each forward pass, combined as one device would have it.
+class Stat(nnx.Variable):
+  pass
+
+
+class Counting(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(16, 8, rngs=rngs)
+    self.calls = Stat(jnp.zeros((), jnp.int32))
+    self.examples = Stat(jnp.zeros((), jnp.int32))
+    self.total = Stat(jnp.zeros((16,), jnp.float32))
+    self.peak = Stat(jnp.full((16,), -jnp.inf, jnp.float32))
+
+  def __call__(self, x):
+    self.calls[...] += 1
+    self.examples[...] += x.shape[0]
+    self.total[...] += x.sum(0)
+    self.peak[...] = jnp.maximum(self.peak[...], x.max(0))
+    return self.l1(x)
+
+
+REDUCTION = {'calls': 'same', 'examples': 'sum', 'total': 'sum', 'peak': 'max'}
+
+
+def counted(accum, **kw):
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='float32',
+                                 grad_accum_steps=accum, **kw)
+  state = train.init(Counting(nnx.Rngs(0)))
+  for b in batches[:2]:
+    state, _ = train.step(state, b)
+  model = train.model(state)
+  return [np.asarray(v[...], np.float32) for v in (model.calls, model.examples, model.total,
+                                                   model.peak)]
+
+
+out['state'] = {}
+for accum in (1, 2):
+  for name, kw in (('replicated', dict(mesh=mesh, batch_axis='data')),
+                   ('fsdp', dict(mesh=mesh, batch_axis='data',
+                                 param_sharding=jaxamp.fsdp('data', min_size=1)))):
+    out['state'][f'{name}, accumulation {accum}'] = attempt(lambda: difference(
+        counted(accum, model_state_reduction=REDUCTION, **kw), counted(accum)))
+out['state']['undeclared'] = attempt(lambda: counted(1, mesh=mesh, batch_axis='data'))
+
 fsdp_kw = dict(mesh=mesh, batch_axis='data', param_sharding=jaxamp.fsdp('data', min_size=1))
 out['gather'] = {kind: attempt(lambda: difference(gathered(kind, **fsdp_kw), gathered(kind)))
                  for kind in ('tied', 'linen without example inputs')}
@@ -240,6 +284,24 @@ def test_fsdp_gathers_each_parameter_in_the_dtype_its_readers_need(differences, 
   were gathered in bfloat16 and trained away from one device."""
   got = differences["gather"][kind]
   assert isinstance(got, float) and got < 2e-6, got
+
+
+@pytest.mark.parametrize("case", ["replicated, accumulation 1", "fsdp, accumulation 1",
+                                  "replicated, accumulation 2", "fsdp, accumulation 2"])
+def test_model_state_is_combined_across_devices_by_its_declared_reduction(
+    differences, case):
+  """A count of calls, a count of examples, a running sum and a running max a module
+  updates each forward pass came back as one device's value or the device mean; each is
+  combined as declared and equals one device's."""
+  got = differences["state"][case]
+  assert isinstance(got, float) and got < 1e-5, got  # float sums in another order
+
+
+def test_model_state_without_a_known_reduction_is_refused_under_a_mesh(differences):
+  got = differences["state"]["undeclared"]
+  assert isinstance(got, str) and got.startswith("ValueError"), got
+  for name in ("calls", "examples", "total", "peak", "model_state_reduction"):
+    assert name in got, got
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])

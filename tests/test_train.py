@@ -849,7 +849,8 @@ def _run_script(source, tmp_path, name, env=None):
 def test_data_parallel_on_8_devices_matches_single_device(tmp_path):
   script = _MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   out = _run_script(script, tmp_path, "mesh.py",
-                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
+                                  + os.environ.get("XLA_FLAGS", ""),  # conftest's, too
                      "JAX_PLATFORMS": "cpu"})
   assert "MESH-OK" in out
 
@@ -860,45 +861,54 @@ _RESUME_SCRIPT = textwrap.dedent("""
     import jax, numpy as np, optax, orbax.checkpoint as ocp
     import jaxamp
     from test_train import loss_fn, init, make_batches, leaves
-    mode, ckpt, out, api = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    mode, folder = sys.argv[1], sys.argv[2]
     batches = make_batches(5)
-    tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**4, growth_interval=2), optax.adam(1e-2))
-    train = jaxamp.make_train_step(loss_fn, tx, policy='mixed_float16')
-    state = init(train, api, dropout=0.2)
     checkpointer = ocp.StandardCheckpointer()
-    if mode == 'first':
-      for b in batches[:3]:
-        state, _ = train.step(state, b)
-      checkpointer.save(ckpt, state)
-      checkpointer.wait_until_finished()
-    else:
-      state = checkpointer.restore(ckpt, jaxamp.abstract_state(state))
-      for b in batches[3:]:
-        state, _ = train.step(state, b)
-      np.savez(out, *leaves(state.params), *leaves(state.model_state),
-               *leaves(state.opt_state), scale=np.asarray(jaxamp.get_loss_scale(state.opt_state)))
+    for api in sys.argv[3:]:
+      ckpt, out = f'{{folder}}/ckpt-{{api}}', f'{{folder}}/resumed-{{api}}.npz'
+      tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**4, growth_interval=2), optax.adam(1e-2))
+      train = jaxamp.make_train_step(loss_fn, tx, policy='mixed_float16')
+      state = init(train, api, dropout=0.2)
+      if mode == 'first':
+        for b in batches[:3]:
+          state, _ = train.step(state, b)
+        checkpointer.save(ckpt, state)
+        checkpointer.wait_until_finished()
+      else:
+        state = checkpointer.restore(ckpt, jaxamp.abstract_state(state))
+        for b in batches[3:]:
+          state, _ = train.step(state, b)
+        np.savez(out, *leaves(state.params), *leaves(state.model_state),
+                 *leaves(state.opt_state),
+                 scale=np.asarray(jaxamp.get_loss_scale(state.opt_state)))
 """)
 
 
+@pytest.fixture(scope="module")
+def orbax_resumed(once_per_run):
+  """Both APIs' runs, saved after 3 steps by one process and resumed for 2 more by a
+  second, fresh one: two processes in all, once per test run (xdist workers included)."""
+  def make(folder):
+    path = folder / "resume.py"
+    path.write_text(_RESUME_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    for mode in ("first", "second"):
+      proc = subprocess.run([sys.executable, str(path), mode, str(folder), "nnx", "linen"],
+                            capture_output=True, text=True, timeout=300)
+      assert proc.returncode == 0, proc.stdout + proc.stderr
+
+  return once_per_run("orbax_resume", make)
+
+
 @pytest.mark.parametrize("api", ["nnx", "linen"])
-def test_orbax_resume_in_fresh_process_is_bit_identical(tmp_path, api):
+def test_orbax_resume_in_fresh_process_is_bit_identical(orbax_resumed, api):
   # Dropout on: NNX carries its RNG streams in model_state; a Linen step folds its key
   # from state.rng with the steps applied so far, which the checkpoint holds too.
-  script = _RESUME_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz")
-  path = tmp_path / "resume.py"
-  path.write_text(script)
-  for mode in ("first", "second"):
-    proc = subprocess.run([sys.executable, str(path), mode, ckpt, out, api],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
   tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**4, growth_interval=2), optax.adam(1e-2))
   train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16")
   state = init(train, api, dropout=0.2)
   for b in make_batches(5):
     state, _ = train.step(state, b)
-  resumed = np.load(out)
+  resumed = np.load(orbax_resumed / f"resumed-{api}.npz")
   expected = leaves(state.params) + leaves(state.model_state) + leaves(state.opt_state)
   for i, x in enumerate(expected):
     np.testing.assert_array_equal(resumed[f"arr_{i}"], x)
@@ -1492,3 +1502,33 @@ def test_the_step_runs_under_the_rules_in_force_at_init_wherever_it_is_called(ap
   for where, text in texts.items():
     dots = _dots(text)
     assert "f32" in dots and "bf16" in dots, (where, dots)
+
+
+class Sowing(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.l1(x)
+    self.sow(nnx.Intermediate, "features", h)
+    return h
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_nnx_sow_without_pop_names_sow_and_the_fix(accum):
+  """An NNX sow the loss does not pop gave internal cond / scan-carry / pytree-prefix
+  errors naming neither sow, the model state, nor the fix."""
+  batch = make_batches(1)[0]
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=accum)
+  state = train.init(Sowing(nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"l1/features|features.*appeared.*nnx\.pop"):
+    train.step(state, batch)
+
+  def popping(model, batch):
+    loss = loss_fn(model, batch)
+    nnx.pop(model, nnx.Intermediate)
+    return loss
+
+  train = jaxamp.make_train_step(popping, optax.sgd(0.1), grad_accum_steps=accum)
+  state, metrics = train.step(train.init(Sowing(nnx.Rngs(0))), batch)
+  assert bool(metrics["grads_finite"])

@@ -8,10 +8,10 @@ on that device's part of the batch, then
 - sharded (``param_sharding``): all-gathers each param slice in its compute dtype
   before the forward pass and reduce-scatters the gradients back to the params' layout;
 
-and in both averages the loss, combines ``loss_fn``'s aux and averages floating model
-state; the gradient stage takes the FP8 amaxes' maximum over the devices after every
-micro-batch. Every device leaves with the same values.
-Without a mesh it is the gradient stage itself.
+and in both averages the loss, combines ``loss_fn``'s aux and combines each model-state
+leaf by its reduction (BatchNorm statistics averaged, others as declared); the gradient
+stage takes the FP8 amaxes' maximum over the devices after every micro-batch. Every
+device leaves with the same values. Without a mesh it is the gradient stage itself.
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
     # The FP8 amaxes are maxed over the devices inside, after every micro-batch.
+    changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, params, keys, batch, rng, scale, fp8, fp8_axes=axes)
+        plan, params, keys, batch, rng, scale, fp8, fp8_axes=axes, changed=changed)
     grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axes).astype(g.dtype),
                          grads)
-    return (grads, *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)),
-            new_fp8)
+    return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
+                            model_state, changed), new_fp8)
 
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(P(), P(), P(axes), P(), P(), P()),
@@ -76,10 +77,13 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
     full = _gather(plan, params)
+    changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, full, keys, batch, rng, scale, fp8, keep_float32=True, fp8_axes=axes)
+        plan, full, keys, batch, rng, scale, fp8, keep_float32=True, fp8_axes=axes,
+        changed=changed)
     return (_reduce_scatter(plan, grads, params),
-            *_reduce(axes, loss, aux, _shared_keys(new_state, model_state)), new_fp8)
+            *_reduce(plan, loss, aux, _shared_keys(new_state, model_state), model_state,
+                     changed), new_fp8)
 
   specs = plan.param_specs
   sharded = jax.shard_map(local, mesh=plan.mesh,
@@ -89,11 +93,44 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                  scale, state.fp8)
 
 
-def _reduce(axes: Any, loss: jax.Array, aux: Any, model_state: Any) -> tuple[Any, Any, Any]:
-  """Inside shard_map: the loss, aux and model state averaged over the batch axes (the
-  floating leaves; counters and keys as they are)."""
+def _reduce(plan: Plan, loss: jax.Array, aux: Any, model_state: Any, old_state: Any,
+            changed: set[int]) -> tuple[Any, Any, Any]:
+  """Inside shard_map: the loss averaged, the aux combined and each model-state leaf
+  combined over the batch axes by its reduction (``Plan.state_reductions``)."""
+  axes = plan.options.batch_axes
   return (jax.lax.pmean(loss, axes), combine_aux(aux, over_devices=axes),
-          _mean_floats(model_state, axes))
+          _combine_state(plan, model_state, old_state, changed))
+
+
+def _combine_state(plan: Plan, new_state: Any, old_state: Any, changed: set[int]) -> Any:
+  """Each device's model state after its part of the batch, combined into the state one
+  device holding the whole batch would have; a leaf the step changed whose combination
+  is not known is refused, naming it and the option that declares it."""
+  axes = plan.options.batch_axes
+  leaves, treedef = jax.tree.flatten(new_state)
+  unknown = [name for i, (name, kind) in enumerate(plan.state_reductions)
+             if kind is None and i in changed]
+  if unknown:
+    raise ValueError(
+        f"Under a mesh each device updates the model state on its part of the batch, and "
+        f"jaxamp does not know how to combine {', '.join(sorted(set(unknown)))} (only "
+        "BatchNorm statistics, averaged, and RNG streams are known). Say how in "
+        "make_train_step(..., model_state_reduction={'<path pattern>': kind}), kind one "
+        "of 'mean' (a statistic averaged over the batch), 'sum' (the devices' changes "
+        "added: a count of examples, a running sum), 'max' or 'min' (a running maximum "
+        "or minimum), 'same' (every device makes the same change: a count of calls).")
+  out = []
+  for leaf, old, (_, kind) in zip(leaves, jax.tree.leaves(old_state), plan.state_reductions):
+    if kind == "mean" and jnp.issubdtype(leaf.dtype, jnp.inexact):
+      leaf = jax.lax.pmean(leaf, axes)
+    elif kind == "sum":
+      leaf = old + jax.lax.psum(leaf - old, axes)
+    elif kind == "max":
+      leaf = jax.lax.pmax(leaf, axes)
+    elif kind == "min":
+      leaf = jax.lax.pmin(leaf, axes)
+    out.append(leaf)  # 'same', and unchanged leaves, as they are
+  return treedef.unflatten(out)
 
 
 def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.Array, Any]:
@@ -109,12 +146,6 @@ def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.A
 def _shared_keys(new_state: Any, model_state: Any) -> Any:
   """``new_state`` with the model's PRNG keys as they were before the per-device fold."""
   return jax.tree.map(lambda n, o: o if is_key(o) else n, new_state, model_state)
-
-
-def _mean_floats(tree: Any, axes: Any) -> Any:
-  """Inside ``shard_map``: floating leaves averaged over ``axes``, the rest as they are."""
-  return jax.tree.map(lambda a: jax.lax.pmean(a, axes)
-                      if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
 
 
 def _gather(plan: Plan, params: Any) -> Any:

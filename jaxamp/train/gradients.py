@@ -13,20 +13,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp.rules import asks_for_fp8
+from jaxamp.summary import leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
 
 __all__ = ["loss_and_grads"]
 
 
-def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any) -> Callable[..., Any]:
+def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
+             changed: set[int] | None = None) -> Callable[..., Any]:
   """``(params, fp8, model_state, batch, key) -> (grads, new fp8, (loss, aux, new model
   state))``: the gradients of the loss times ``weight``, and the FP8 state moved by the
   forward pass's amaxes and (through its histories' cotangent) the backward pass's,
-  maxed over the mesh axes ``fp8_axes`` (inside ``shard_map``) if any."""
+  maxed over the mesh axes ``fp8_axes`` (inside ``shard_map``) if any. The positions of
+  the model-state leaves a call changed are added to ``changed``, if given."""
   options = plan.options
   used: set[str] = set()  # FP8 modules that ran, known once traced
 
@@ -46,6 +50,11 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any) -> Callable[..., Any]
 
   def grad_fn(p, f8, ms, mb, key):
     (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
+    _check_same_structure(ms, out[2])
+    if changed is not None:  # unchanged leaves come back as the very tracers passed in
+      changed.update(i for i, (new, old) in enumerate(zip(jax.tree.leaves(out[2]),
+                                                          jax.tree.leaves(ms)))
+                     if new is not old)
     if f8:
       f8 = fp8_lib.merge_state(f8, f8_cot, used, plan.fp8_recipes, fp8_axes)
     return g, f8, out
@@ -53,15 +62,41 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any) -> Callable[..., Any]
   return grad_fn
 
 
+def _names(tree: Any) -> list[str]:
+  return [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
+
+
+def _check_same_structure(before: Any, after: Any) -> None:
+  """Refuses a step that changed the model state's structure (the state carries it from
+  step to step, and the skip's cond and the micro-batch scan need it fixed), naming the
+  entries and the usual cause."""
+  if jax.tree.structure(before) == jax.tree.structure(after):
+    return
+  old, new = _names(before), _names(after)
+  added = [n for n in new if n not in old] or new
+  removed = [n for n in old if n not in new]
+  raise ValueError(
+      "loss_fn's model changed the structure of its state during the step"
+      f"{': ' + ', '.join(added[:8]) + ' appeared' if added else ''}"
+      f"{'; ' + ', '.join(removed[:8]) + ' disappeared' if removed else ''}. The train "
+      "state carries the model state from step to step, so its entries must stay the "
+      "same. An NNX module that sows (self.sow(nnx.Intermediate, ...)) needs them taken "
+      "out in loss_fn: intermediates = nnx.pop(model, nnx.Intermediate); a Linen module "
+      "sows only into collections it had at init.")
+
+
 def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: jax.Array,
                    scale: jax.Array, fp8: Any = None, keep_float32: bool = False,
-                   fp8_axes: Any = None) -> tuple[Any, jax.Array, Any, Any, Any]:
+                   fp8_axes: Any = None, changed: set[int] | None = None
+                   ) -> tuple[Any, jax.Array, Any, Any, Any]:
   """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
   with ``keep_float32``), and the new FP8 state.
 
   ``fp8_axes``: inside ``shard_map``, the batch axes: the FP8 amaxes are maxed over them
   after every micro-batch, so each device scales the next micro-batch as one device
-  holding the whole batch would.
+  holding the whole batch would. ``changed``: a set the positions (in
+  ``jax.tree.leaves(model_state)``) of the state leaves the model updated are added to.
 
   Returns:
     ``(grads, loss, aux, model_state, fp8)``: the gradients of the loss times
@@ -72,7 +107,7 @@ def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: j
   # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
   # k before scaling), so its float16 backward pass carries the values of the k=1 step's
   # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
-  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, fp8_axes)
+  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, fp8_axes, changed)
   if k == 1:
     grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
     return grads, loss, aux, model_state, fp8

@@ -8,13 +8,15 @@ loss scale. Everything it learns goes into the plan; the state holds only arrays
 
 from __future__ import annotations
 
+import fnmatch
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
@@ -26,7 +28,7 @@ from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
 from jaxamp.rules import asks_for_fp8, path_name, warn_unmatched_path_rules
 from jaxamp.summary import cast_module_params, leaf_name
 from jaxamp.train import optimizer as optimizer_lib
-from jaxamp.train.adapters import LinenAdapter, NNXAdapter
+from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
 from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
@@ -75,6 +77,8 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
     graphdef, params, model_state = NNXAdapter.split(model)
     return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows,
                   _holders(model))
+  if _is_pytree_model(model, variables):
+    return _split_pytree(options, model, recompute, example_args, example_kwargs)
   if variables is None or "params" not in variables:
     raise ValueError("For a Linen module call init(module, variables), where variables "
                      "is module.init(...)'s result with a 'params' collection.")
@@ -91,6 +95,32 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
   model_state = {k: v for k, v in variables.items() if k != "params"}
   return _Split(LinenAdapter(model, recompute), variables["params"], model_state, rows,
                 fp8_rows, {})
+
+
+def _is_pytree_model(model: Any, variables: Any) -> bool:
+  """An Equinox module, or another pytree with floating arrays (not a Linen module)
+  passed without variables."""
+  eqx = sys.modules.get("equinox")  # a model can be an eqx.Module only once it is imported
+  if eqx is not None and isinstance(model, eqx.Module):
+    return True
+  return (variables is None and not isinstance(model, linen.Module)
+          and any(is_floating_array(x) for x in jax.tree.leaves(model)))
+
+
+def _split_pytree(options: Options, model: Any, recompute: bool,
+                  example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any]) -> _Split:
+  try:
+    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("Training an Equinox model or another pytree needs equinox: pip "
+                      "install 'jax-mixed-precision[equinox]'.") from e
+  if example_args or example_kwargs:
+    raise ValueError("init(model) takes no variables or example inputs for an Equinox "
+                     "model or another pytree.")
+  model = amp_eqx.checked_model(model, options.policy)
+  params, model_state, static = EquinoxAdapter.split(model)
+  return _Split(EquinoxAdapter(static, recompute), params, model_state,
+                amp_eqx.module_policies(model, options.policy), None, {})
 
 
 def _stored(options: Options, params: Any, rows: list[Any] | None, model: str) -> Any:
@@ -140,6 +170,26 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
   return tuple(out)
 
 
+def _state_reductions(options: Options, model_state: Any) -> tuple[tuple[str, Any], ...]:
+  """``(path, reduction)`` per model-state array leaf: the user's
+  ``model_state_reduction`` pattern that matches its path first, else the known kinds'
+  (BatchNorm statistics averaged, RNG streams the same on every device), else None."""
+  declared = options.model_state_reduction or {}
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    name = leaf_name(path)
+    kind = next((k for pattern, k in declared.items() if fnmatch.fnmatchcase(name, pattern)),
+                None)
+    if kind is None:
+      if isinstance(leaf, nnx.BatchStat) or name.startswith("batch_stats/"):
+        kind = "mean"
+      elif isinstance(leaf, (nnx.RngCount, nnx.RngKey)):
+        kind = "same"
+    out.extend((name, kind) for _ in jax.tree.leaves(leaf))
+  return tuple(out)
+
+
 def _holders(model: nnx.Module) -> dict[str, list[str]]:
   """``{param path: paths of the modules holding it}`` for parameters that more than one
   module holds as an attribute (tied weights)."""
@@ -176,6 +226,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     specs = sharding_lib.param_specs(options.param_sharding, params, options.mesh)
     params, model_state = _flax_compat.unbox((params, model_state))
   params = _stored(options, params, rows, name)
+  reductions = _state_reductions(options, model_state) if options.mesh is not None else None
   if specs is not None:
     gather_dtypes = _gather_dtypes(params, rows, split.holders)
   master_weights = options.master_weights
@@ -204,5 +255,6 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
               unit_scale=built.unit_scale, overflow=built.overflow,
               fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                            if split.fp8_rows is not None else {}),
-              param_specs=specs, gather_dtypes=gather_dtypes, rules=rules)
+              param_specs=specs, gather_dtypes=gather_dtypes, rules=rules,
+              state_reductions=reductions)
   return state, plan

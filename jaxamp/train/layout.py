@@ -29,9 +29,10 @@ def place(tree: Any, shardings: Any) -> Any:
   """
 
   def one(x: Any, sharding: Any) -> Any:
-    if (isinstance(x, jax.Array) and x.committed
+    if isinstance(x, jax.core.Tracer) or (
+        isinstance(x, jax.Array) and x.committed
         and x.sharding.is_equivalent_to(sharding, x.ndim)):
-      return x
+      return x  # in place, or traced by an outer jit (which lays its inputs out)
     if (not isinstance(x, jax.Array) or sharding.is_fully_addressable
         or not x.is_fully_addressable):
       return jax.device_put(x, sharding)
@@ -57,7 +58,8 @@ def laid_out_state(plan: Plan, state: TrainState) -> TrainState:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def one(x: Any) -> Any:
-      if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+      if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+          and len(x.sharding.device_set) > 1):
         return jax.device_put(x, device)  # laid out over another step's devices
       return x
     return jax.tree.map(one, state)
@@ -106,7 +108,9 @@ def laid_out(plan: Plan, batch: Any) -> Any:
   data = plan.batch_sharding()
 
   def one(x: Any) -> Any:
-    if isinstance(x, jax.Array) and x.committed and x.sharding.is_equivalent_to(data, x.ndim):
+    if isinstance(x, jax.core.Tracer) or (
+        isinstance(x, jax.Array) and x.committed
+        and x.sharding.is_equivalent_to(data, x.ndim)):
       return x
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) and np.ndim(x) >= 1:
       return jax.device_put(x, data)

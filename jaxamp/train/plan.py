@@ -25,7 +25,13 @@ from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
 from jaxamp.train.loss import check_signature
 
-__all__ = ["Options", "Plan", "level_rules", "rules_in_force", "autocast_under_level"]
+STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
+"""How a model-state leaf updated on each device is combined under a mesh: averaged
+(BatchNorm statistics), the devices' changes summed (a count of examples, a running
+sum), the maximum or minimum (a running max), or any device's (all agree: a count of
+calls)."""
+
+__all__ = ["Options", "Plan", "STATE_REDUCTIONS", "level_rules", "rules_in_force", "autocast_under_level"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,7 @@ class Options:
   param_sharding: Any = None
   warn_skipped_steps: int | None = 100
   skip_nonfinite: bool = True
+  model_state_reduction: Mapping[str, str] | None = None
 
   def __post_init__(self):
     if self.grad_accum_steps < 1:
@@ -70,6 +77,12 @@ class Options:
                        f"warn), got {warn!r}.")
     if not isinstance(self.skip_nonfinite, (bool, np.bool_)):
       raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
+    for pattern, kind in (self.model_state_reduction or {}).items():
+      if kind not in STATE_REDUCTIONS or not isinstance(pattern, str):
+        raise ValueError(
+            f"model_state_reduction maps a model-state path pattern (a str, '*' matches "
+            f"within a path) to one of {', '.join(map(repr, STATE_REDUCTIONS))}; got "
+            f"{pattern!r}: {kind!r}.")
     check_signature(self.loss_fn, "loss_fn")
     if self.eval_fn is not None:
       check_signature(self.eval_fn, "eval_fn")
@@ -113,6 +126,9 @@ class Plan:
       when ``loss_fn`` takes forward-mode derivatives over the parameters).
     rules: the per-module rules in force at ``init`` (:func:`jaxamp.rules.snapshot`):
       the step and eval step trace under them, wherever and whenever they are called.
+    state_reductions: under a mesh, ``(path, reduction)`` per model-state leaf: how its
+      per-device values are combined (:data:`STATE_REDUCTIONS`; None: not known, and
+      refused if the step changes it).
   """
 
   options: Options
@@ -128,6 +144,7 @@ class Plan:
   state_shardings: Any = None
   narrow_reads: bool = True
   rules: Mapping[Any, Any] | None = None
+  state_reductions: tuple[tuple[str, str | None], ...] | None = None
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:

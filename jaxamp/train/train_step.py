@@ -345,7 +345,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     recompute_norms: bool = False,
                     param_sharding: Any = None,
                     warn_skipped_steps: int | None = 100,
-                    skip_nonfinite: bool = True) -> TrainStep:
+                    skip_nonfinite: bool = True,
+                    model_state_reduction: Mapping[str, str] | None = None) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -406,6 +407,14 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       optax step (``metrics['grads_finite']`` still says whether the gradients were
       finite); refused where float16 needs skips (a loss-scale element in ``optimizer``,
       float16 compute, parameters stored in float16).
+    model_state_reduction: with a mesh, how model state a step updates on each device is
+      combined, as ``{path pattern: kind}`` (patterns as ``fnmatch``, matched against
+      ``'/'``-joined state paths such as ``'counter/count'``; Linen paths start with the
+      collection). Kinds: ``'mean'`` (a statistic averaged over the batch), ``'sum'``
+      (the devices' changes added: a count of examples, a running sum), ``'max'``,
+      ``'min'`` (a running maximum or minimum), ``'same'`` (each device makes the same
+      change: a count of calls). BatchNorm statistics are averaged and RNG streams kept
+      without it; other state a step changes under a mesh is refused until declared.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
@@ -433,4 +442,4 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
       seed=seed, level=level, recompute_norms=recompute_norms,
       param_sharding=param_sharding, warn_skipped_steps=warn_skipped_steps,
-      skip_nonfinite=skip_nonfinite))
+      skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction))
