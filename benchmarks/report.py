@@ -307,7 +307,7 @@ def write_markdown(path: pathlib.Path, info: dict[str, Any], sections: Sequence[
           ["Python / OS", f"{info['python']} / {info['platform']}"],
           ["jax / jaxlib", f"{v['jax']} / {v['jaxlib']}"],
           ["flax / optax / keras", f"{v['flax']} / {v['optax']} / {v['keras']}"],
-          ["jaxamp", f"{v['jaxamp']}, git {info['git']}"],
+          ["jaxamp", f"{v.get('jax-mixed-precision', v.get('jaxamp'))}, git {info['git']}"],
       ]),
       "",
       "## How to read the tables",
