@@ -239,7 +239,11 @@ def _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin):
   # FP8 operands straight into the dot ("direct" quantization, as flax's
   # Fp8DirectDotGeneralOp): nothing for XLA to pattern-match and silently miss.
   out = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=_F32)
-  out = (out / (s_lhs * s_rhs)).astype(lhs.dtype)
+  # An input holding inf or NaN must not come out finite, clipped to 448 by the E4M3
+  # cast (with current scaling its scale would also be each device's own): the NaN
+  # makes the step non-finite, so it is skipped exactly, as without FP8.
+  nonfinite = jnp.where(jnp.isfinite(a_lhs) & jnp.isfinite(a_rhs), 0.0, jnp.nan)
+  out = (out / (s_lhs * s_rhs) + nonfinite.astype(_F32)).astype(lhs.dtype)
   # Zero-size arrays carry the input dtypes to the backward pass.
   residuals = (q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs,
                jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))

@@ -3,10 +3,14 @@
 With a mesh, :func:`grads` runs the gradient stage per device inside ``jax.shard_map``
 on that device's part of the batch, then
 
-- data parallel (params replicated): averages the gradients with ``lax.pmean`` in
+- data parallel (params replicated): sums the gradients with ``lax.psum`` in
   ``grad_reduce_dtype``;
 - sharded (``param_sharding``): all-gathers each param slice in its compute dtype
   before the forward pass and reduce-scatters the gradients back to the params' layout;
+
+each device's loss weighted by the loss scale over the number of devices, so the sum is
+the mean and each device's backward pass carries the values one device's would for its
+rows (a float16 one overflows no sooner; FP8 gradient amaxes are one device's);
 
 and in both averages the loss, combines ``loss_fn``'s aux and combines each model-state
 leaf by its reduction (BatchNorm statistics averaged, others as declared); the gradient
@@ -51,15 +55,15 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
                          rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
   dt = plan.options.grad_reduce_dtype
+  n = sharding_lib.axis_size(plan.mesh, axes)
 
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
     # The FP8 amaxes are maxed over the devices inside, after every micro-batch.
     changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, params, keys, batch, rng, scale, fp8, fp8_axes=axes, changed=changed)
-    grads = jax.tree.map(lambda g: jax.lax.pmean(g.astype(dt), axes).astype(g.dtype),
-                         grads)
+        plan, params, keys, batch, rng, scale / n, fp8, fp8_axes=axes, changed=changed)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(dt), axes).astype(g.dtype), grads)
     return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
                             model_state, changed), new_fp8)
 
@@ -73,13 +77,14 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
 def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
+  n = sharding_lib.axis_size(plan.mesh, axes)
 
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
     full = _gather(plan, params)
     changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, full, keys, batch, rng, scale, fp8, keep_float32=True, fp8_axes=axes,
+        plan, full, keys, batch, rng, scale / n, fp8, keep_float32=True, fp8_axes=axes,
         changed=changed)
     return (_reduce_scatter(plan, grads, params),
             *_reduce(plan, loss, aux, _shared_keys(new_state, model_state), model_state,
@@ -164,9 +169,9 @@ def _gather(plan: Plan, params: Any) -> Any:
 
 def _reduce_scatter(plan: Plan, grads: Any, params: Any) -> Any:
   """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
-  over the batch axes and scattered to its param's layout, then averaged."""
+  over the batch axes and scattered to its param's layout (each device's loss was
+  weighted by one over the number of devices, so the sum is the mean)."""
   mesh, axes = plan.mesh, plan.options.batch_axes
-  n = sharding_lib.axis_size(mesh, axes)
   leaves, treedef = jax.tree.flatten(grads)
   specs = treedef.flatten_up_to(plan.param_specs)
   out = []
@@ -191,5 +196,5 @@ def _reduce_scatter(plan: Plan, grads: Any, params: Any) -> Any:
     rest = tuple(a for a in axes if a not in summed)
     if rest:
       g = jax.lax.psum(g, rest)
-    out.append((g / n).astype(out_dtype))
+    out.append(g.astype(out_dtype))
   return treedef.unflatten(out)

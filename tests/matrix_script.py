@@ -1,0 +1,237 @@
+"""The differential matrix, run by tests/test_matrix.py in one process of 8 CPU devices.
+
+Each row of a pairwise covering array over (model, layout, policy, accumulation, model
+state, fault) trains 3 steps on a mesh of data=4 x model=2 and on one device with the
+same global batch (its micro-batches holding the same rows as the mesh's), and reports
+how the two differ. Prints one ``ROW <json>`` line per row.
+"""
+
+import itertools
+import json
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxamp
+
+P = jax.sharding.PartitionSpec
+
+FACTORS = {
+    "model": ["nnx", "linen"],
+    "layout": ["replicated", "fsdp", "fsdp over two axes", "logical rules"],
+    "policy": ["float32", "mixed_bfloat16", "mixed_float16", "float16", "mixed_fp8",
+               "mixed_fp8_current", "p=f32,c=f16,fp8=delayed"],
+    "accum": [1, 2],
+    "state": ["none", "batchnorm", "counters"],
+    "fault": ["none", "inf on one device"],
+}
+# The one-device run every row is compared with is the matrix's "one device" layout.
+REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
+LOGICAL = [("embed", ("data", "model")), ("mlp", None)]  # MaxText-style: two axes
+STEPS, BATCH, DATA = 3, 16, 4
+
+
+def pairwise(factors):
+  """A small list of rows in which every pair of two factors' values appears."""
+  names = list(factors)
+  uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
+               for va in factors[a] for vb in factors[b]}
+  rows = []
+  candidates = list(itertools.product(*factors.values()))
+  while uncovered:
+    def gain(values):
+      row = dict(zip(names, values))
+      return sum((a, row[a], b, row[b]) in uncovered
+                 for a, b in itertools.combinations(names, 2))
+    best = max(candidates, key=gain)  # first of the best: deterministic
+    row = dict(zip(names, best))
+    uncovered -= {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+    rows.append(row)
+  return rows
+
+
+def kernel_init(names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, state, axis_name, rngs):
+    self.l1 = nnx.Linear(16, 32, kernel_init=kernel_init(("embed", "mlp")), rngs=rngs)
+    self.bn = (nnx.BatchNorm(32, axis_name=axis_name, rngs=rngs) if state == "batchnorm"
+               else None)
+    self.l2 = nnx.Linear(32, 8, kernel_init=kernel_init(("mlp", "embed")), rngs=rngs)
+    self.counters = state == "counters"
+    if self.counters:
+      self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+      self.examples = nnx.Variable(jnp.zeros((), jnp.int32))
+      self.total = nnx.Variable(jnp.zeros((16,), jnp.float32))
+      self.peak = nnx.Variable(jnp.full((16,), -1e9, jnp.float32))
+
+  def __call__(self, x):
+    if self.counters:
+      self.calls[...] += 1
+      self.examples[...] += x.shape[0]
+      self.total[...] += x.astype(jnp.float32).sum(0)
+      self.peak[...] = jnp.maximum(self.peak[...], x.astype(jnp.float32).max(0))
+    h = self.l1(x)
+    if self.bn is not None:
+      h = self.bn(h)
+    return self.l2(jax.nn.relu(h))
+
+
+class LinenNet(nn.Module):
+  state: str
+  axis_name: str | None
+
+  @nn.compact
+  def __call__(self, x):
+    if self.state == "counters":
+      calls = self.variable("stats", "calls", lambda: jnp.zeros((), jnp.int32))
+      examples = self.variable("stats", "examples", lambda: jnp.zeros((), jnp.int32))
+      total = self.variable("stats", "total", lambda: jnp.zeros((16,), jnp.float32))
+      peak = self.variable("stats", "peak", lambda: jnp.full((16,), -1e9, jnp.float32))
+      if not self.is_initializing():
+        calls.value += 1
+        examples.value += x.shape[0]
+        total.value += x.astype(jnp.float32).sum(0)
+        peak.value = jnp.maximum(peak.value, x.astype(jnp.float32).max(0))
+    init = nn.initializers.lecun_normal()
+    h = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+    if self.state == "batchnorm":
+      h = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(h)
+    return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(
+        jax.nn.relu(h))
+
+
+def loss_fn(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(fault):
+  rng = np.random.RandomState(0)
+  out = [{"x": rng.randn(BATCH, 16).astype(np.float32),
+          "y": rng.randn(BATCH, 8).astype(np.float32)} for _ in range(STEPS)]
+  if fault != "none":
+    out[1]["x"][0, 0] = np.inf  # row 0: the first data device's
+  return out
+
+
+def micro_ordered(batch, accum):
+  """The one-device batch whose micro-batches hold the rows the mesh's micro-batches
+  hold: micro-batch i gathers every data device's i-th chunk."""
+  if accum == 1:
+    return batch
+  per = BATCH // DATA // accum
+  order = [d * (BATCH // DATA) + i * per + r
+           for i in range(accum) for d in range(DATA) for r in range(per)]
+  return jax.tree.map(lambda a: a[np.array(order)], batch)
+
+
+def layout_kwargs(layout, mesh):
+  if layout == "replicated":
+    return dict(mesh=mesh, batch_axis="data")
+  if layout == "fsdp":
+    return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.fsdp("data", min_size=1))
+  if layout == "fsdp over two axes":
+    return dict(mesh=mesh, batch_axis="data",
+                param_sharding=jaxamp.fsdp(("data", "model"), min_size=1))
+  return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.annotated(LOGICAL))
+
+
+def run(row, mesh):
+  """Trains ``row`` on ``mesh`` (None: one device): per-step records and the state."""
+  axis_name = "data" if mesh is not None else None
+  kw = layout_kwargs(row["layout"], mesh) if mesh is not None else {}
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=row["policy"],
+                                 grad_accum_steps=row["accum"],
+                                 model_state_reduction=REDUCTION, **kw)
+  if row["model"] == "nnx":
+    with nnx.use_eager_sharding(False):  # annotations only: the train step lays out
+      model = NNXNet(row["state"], axis_name, nnx.Rngs(0))
+    state = train.init(model)
+  else:
+    module = LinenNet(row["state"], axis_name)
+    x = jnp.zeros((BATCH, 16))
+    if axis_name is not None:  # BatchNorm's axis exists only inside the mesh
+      variables = LinenNet(row["state"], None).init(jax.random.key(0), x)
+    else:
+      variables = module.init(jax.random.key(0), x)
+    state = train.init(module, variables, x)
+  records, skips_exact = [], True
+  for b in batches(row["fault"]):
+    if mesh is None:
+      b = micro_ordered(b, row["accum"])
+    before = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    state, metrics = train.step(state, b)
+    if not bool(metrics["grads_finite"]):
+      after = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+      skips_exact &= all(np.array_equal(x, y, equal_nan=True) for x, y in zip(before, after))
+    records.append((int(metrics["skipped_steps"]), float(metrics["loss_scale"])))
+  return records, skips_exact, state
+
+
+def replicas_agree(state):
+  """Whether every replicated leaf holds the same value on every device."""
+  for leaf in jax.tree.leaves(state):
+    if not isinstance(leaf, jax.Array) or jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      continue
+    if leaf.sharding.is_fully_replicated:
+      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+      if not all(np.array_equal(shards[0], s, equal_nan=True) for s in shards[1:]):
+        return False
+  return True
+
+
+def largest(a_tree, b_tree, relative=False):
+  """The largest difference between two trees' leaves (relative: to their magnitude)."""
+  out = [0.0]
+  for x, y in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    diff = np.abs(x - y)
+    if relative:
+      diff = diff / np.maximum(np.maximum(np.abs(x), np.abs(y)), 1e-30)
+    out.append(float(np.max(diff)) if diff.size else 0.0)
+  return max(out)
+
+
+def compare(row, mesh, references):
+  key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault"))
+  try:
+    if key not in references:
+      references[key] = run(row, None)
+    ref_records, ref_exact, ref_state = references[key]
+    records, exact, state = run(row, mesh)
+  except Exception as e:  # pylint: disable=broad-except
+    return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+  model_state = lambda s: [x for x in jax.tree.leaves(s.model_state)
+                           if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return {
+      "params": largest(state.params, ref_state.params),
+      "model_state": largest(model_state(state), model_state(ref_state)),
+      "fp8": (largest(state.fp8, ref_state.fp8, relative=True)
+              if state.fp8 is not None else 0.0),
+      "records": records, "reference_records": ref_records,
+      "skips_exact": bool(exact and ref_exact),
+      "replicas_agree": replicas_agree(state),
+  }
+
+
+def main():
+  mesh = jax.make_mesh((DATA, 2), ("data", "model"))
+  rows = pairwise(FACTORS)
+  references = {}
+  only = sys.argv[1:]  # row indices, to rerun a few
+  for i, row in enumerate(rows):
+    if only and str(i) not in only:
+      continue
+    print("ROW", json.dumps({"index": i, **row, **compare(row, mesh, references)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()
