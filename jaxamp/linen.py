@@ -13,11 +13,14 @@ directly (``x @ self.param('w', ...)``) get the policy too. Inside a module:
   Normalization layers compute in float32 (:func:`jaxamp.float32_compute`);
 - a ``dtype`` field (every Flax layer's, and a third-party module's that threads
   ``dtype=self.dtype`` down) reads the compute dtype, and a ``param_dtype`` field the
-  param dtype: the policy, not the model's hard-coded float32, decides;
+  param dtype, in ``setup()`` as in calls: the policy, not the model's hard-coded
+  float32, decides;
 - mutable collections such as ``batch_stats`` keep their dtype; only an attention
   layer's decoding ``cache`` holds keys and values in the compute dtype.
 
-Lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``, ``nn.jit``) are followed.
+Lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``, ``nn.jit``) are followed, and
+so is a submodule run through its own ``apply`` (``self.head.apply(...)``, a tied head),
+at its path in the model.
 The first ``apply`` per input signature warns once if a module computing in half still
 runs matmuls in float32 (:mod:`jaxamp.census`). Policies are resolved when ``apply`` is
 traced: under ``jax.jit`` the rules in force at the first trace stay baked in. More in
@@ -44,7 +47,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -60,8 +62,8 @@ from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, 
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, path_name,
-                          resolve_policy, resolve_tree)
+from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
+                          path_name, resolve_policy, resolve_tree)
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -76,10 +78,13 @@ class _Plan(NamedTuple):
   Attributes:
     modules: ``(path, class)`` of the module instance first run at each path, in order.
     lifted: paths whose module runs as the body of a lifted transform.
+    matmuls: paths of the modules that run a matmul or convolution of their own (None
+      where the pass was not traced): no norm rule applies to them.
   """
 
   modules: tuple[tuple[Path, type], ...]
   lifted: frozenset[Path]
+  matmuls: frozenset[Path] | None = None
 
 
 # --- which modules run, and under which policy -------------------------------------------
@@ -94,21 +99,91 @@ def _inside_lifted(path: Path, lifted: frozenset[Path]) -> bool:
   return any(path[:len(body)] == body for body in lifted)
 
 
-def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[], _Plan]]:
-  """An interceptor noting each module that runs, and a function returning the plan."""
+class _Places:
+  """Where each module that runs sits in the model, applies nested in a call included.
+
+  A module may run another through that one's own ``apply``
+  (``self.head.apply({'params': {'kernel': embedding.T}}, x)``: tied LM heads, weight
+  norm): Flax binds it as the root of a new scope, path ``()``. Here it takes the path
+  it has in the model, its caller's path and its name (``tied/head``), and the modules
+  it runs take paths below that, so rules, the summary and FP8 see it as a submodule.
+  """
+
+  def __init__(self):
+    self.root: nn.Module | None = None  # the model's root: the first module to run
+    self.calls: list[Path] = []  # model paths of the module methods running
+    self.nested: list[Path] = []  # model paths of the nested applies running
+    self.clones: dict[int, Path] = {}  # the clones nn.map_variables runs of nested roots
+    self.cloning: Path | None = None  # a nested root's path, while its clone is made
+
+  def of(self, module: nn.Module) -> tuple[Path, bool]:
+    """``module``'s path in the model, and whether it is the root of a nested apply."""
+    path = _module_path(module)
+    if self.root is None:
+      self.root = module
+    elif id(module) in self.clones:
+      return self.clones[id(module)], False
+    elif not path and self.cloning is not None:  # the first module the transform runs
+      self.clones[id(module)] = self.cloning
+      return self.cloning, False
+    elif not path and module is not self.root and not (
+        # The clone a lifted top module (nn.remat(Model)) runs is no nested apply.
+        module.name == self.root.name and isinstance(self.root, type(module))):
+      caller = self.calls[-1] if self.calls else ()
+      return (*caller, module.name or type(module).__name__), True
+    return ((*self.nested[-1], *path) if self.nested else path), False
+
+  @contextlib.contextmanager
+  def running(self, path: Path, nested: bool) -> Iterator[None]:
+    """Marks the module at model path ``path`` as running for a ``with`` block."""
+    self.calls.append(path)
+    if nested:
+      self.nested.append(path)
+    try:
+      yield
+    finally:
+      self.calls.pop()
+      if nested:
+        self.nested.pop()
+
+
+def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[Any], _Plan]]:
+  """An interceptor noting each module that runs, and a function returning the plan
+  from the call's jaxpr (None where it was not traced).
+
+  Each module call runs under the :func:`jaxamp.census.scope_name` of its number, so
+  that the jaxpr tells which modules run matmuls of their own."""
   found: dict[Path, type] = {(): type(root)}
   lifted: set[Path] = set()
+  scopes: dict[Path, int] = {}
+  places = _Places()
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if linen_is_bound(module):
-      path = _module_path(module)
-      found.setdefault(path, type(module))
-      if linen_is_lifted_body(module):
-        lifted.add(path)
-    return next_fun(*args, **kwargs)
+    if not linen_is_bound(module):
+      return next_fun(*args, **kwargs)
+    path, nested = places.of(module)
+    found.setdefault(path, type(module))
+    if linen_is_lifted_body(module):
+      lifted.add(path)
+    with places.running(path, nested), jax.named_scope(
+        scope_name(scopes.setdefault(path, len(scopes)))):
+      return next_fun(*args, **kwargs)
 
-  return intercept, lambda: _Plan(tuple(found.items()), frozenset(lifted))
+  def plan(jaxpr: Any) -> _Plan:
+    matmuls = None
+    if jaxpr is not None:
+      names = sorted(scopes, key=scopes.get)
+      matmuls = frozenset(names[op.module] for op in module_matmuls(jaxpr)
+                          if op.module is not None)
+    return _Plan(tuple(found.items()), frozenset(lifted), matmuls)
+
+  return intercept, plan
+
+
+def _resolve(plan: _Plan, model_policy: Policy) -> dict[Path, Policy]:
+  """Each module's policy; a module that runs matmuls is no norm."""
+  return resolve_tree(plan.modules, model_policy, plan.matmuls)
 
 
 def _enclosing(policies: Mapping[Path, Policy], path: Path) -> Policy:
@@ -142,11 +217,12 @@ def _abstractly(trace: Callable[..., Any], fn: Callable[..., Any], *trees: Any) 
 
 
 def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
-  """Evaluates ``fn(*trees)`` abstractly and records the modules that run in it."""
+  """Traces ``fn(*trees)`` (nothing runs) and records the modules that run in it, and
+  which of them run matmuls."""
   recorder, plan = _recording(root)
   with nn.intercept_methods(recorder):
-    _abstractly(functools.partial(functools.partial, jax.eval_shape), _arrays_of(fn), *trees)
-  return plan()
+    jaxpr = _abstractly(jax.make_jaxpr, _arrays_of(fn), *trees)
+  return plan(jaxpr)
 
 
 def _arrays_of(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
@@ -300,22 +376,27 @@ def _fields_set(module: nn.Module, fields: Mapping[str, Any]) -> Iterator[None]:
 
 
 def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
-             scopes: dict[Path, int] | None = None, recompute_norms: bool = False
-             ) -> Callable[..., Any]:
+             scopes: dict[Path, int] | None = None, recompute_norms: bool = False,
+             not_norm: frozenset[Path] = frozenset()) -> Callable[..., Any]:
   """The interceptor applying each module's policy to its arguments and results.
 
   ``policies`` gains an entry for any module the abstract pass did not see. The
   parameters of the bodies of lifted transforms (``lifted``) are cast here, inside the
   transform, rather than before ``apply``: ``nn.remat`` then recomputes the cast in the
-  backward pass instead of keeping a half-precision copy of the parameters. With
-  ``scopes`` (filled as modules run), each module call runs under the
-  :func:`jaxamp.census.scope_name` of its number there, for the census. With
-  ``recompute_norms``, norms that compute wider than their inputs run under ``nn.remat``.
+  backward pass instead of keeping a half-precision copy of the parameters; so are those
+  a nested apply passes its module (:class:`_Places`). ``setup`` runs with the module's
+  ``dtype`` fields set as its calls do, so what it derives from them (Hugging Face's
+  float32 attention softmax) follows the policy. With ``scopes`` (filled as modules
+  run), each module call runs under the :func:`jaxamp.census.scope_name` of its number
+  there, for the census. With ``recompute_norms``, norms (not the modules of
+  ``not_norm``: :func:`jaxamp.rules.not_norms`) that compute wider than their inputs run
+  under ``nn.remat``.
   """
   running: list[nn.Module] = []
   mapping: set[Path] = set()  # lifted bodies whose parameters are being cast
+  places = _Places()
 
-  def recomputed(module, context, args, kwargs, compute):
+  def recomputed(module, path, context, args, kwargs, compute):
     # The norm runs under nn.remat with the cast to ``compute`` inside it: reverse mode
     # keeps the narrower input, not float32 intermediates, and recomputes the norm.
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -328,38 +409,55 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
       return linen_unbound_method(context)(clone, *a, **k)
 
-    path = _module_path(module)
     mapping.add(path)  # the clone nn.remat runs is already cast
     try:
       return nn.remat(body)(module, *(leaves[i] for i in where))
     finally:
       mapping.discard(path)
 
-  def call(next_fun, module, path, context, args, kwargs):
-    if path not in lifted:
+  def call(next_fun, module, path, nested, context, args, kwargs):
+    if path not in lifted and not nested:
       return next_fun(*args, **kwargs)
     cast_in = lambda cols: _cast_params(cols, policies, _compute_dtype, path, lifted)
     # map_variables needs the method unbound, to call it on the clone it binds to the
     # cast parameters.
     method = nn.map_variables(linen_unbound_method(context), "params", trans_in_fn=cast_in)
     mapping.add(path)
+    if nested:
+      places.cloning = path
     try:
       return method(module, *args, **kwargs)
     finally:
       mapping.discard(path)
+      places.cloning = None
 
-  def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == "setup" or not linen_is_bound(module):
-      return next_fun(*args, **kwargs)
-    if running and running[-1] is module:
-      return next_fun(*args, **kwargs)  # a module calling its own method: already cast
-    path = _module_path(module)
-    if path in mapping:
-      return next_fun(*args, **kwargs)  # the clone map_variables runs: already cast
+  def policy_of(module, path):
     policy = policies.get(path)
     if policy is None:  # not seen by the abstract pass (data-dependent structure)
       policy = policies[path] = resolve_policy(type(module), path, _enclosing(policies, path))
+    return policy
+
+  def scoped(path):
+    if scopes is None:
+      return contextlib.nullcontext()
+    return jax.named_scope(scope_name(scopes.setdefault(path, len(scopes))))
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if not linen_is_bound(module):
+      return next_fun(*args, **kwargs)
+    if running and running[-1] is module:
+      return next_fun(*args, **kwargs)  # a module calling its own method: already cast
+    path, nested = places.of(module)
+    if context.method_name == "setup":
+      with _fields_set(module, _dtype_fields(module, policy_of(module, path))), \
+          places.running(path, nested), scoped(path):
+        return next_fun(*args, **kwargs)
+    if path in mapping:
+      places.cloning = None
+      with places.running(path, False):
+        return next_fun(*args, **kwargs)  # the clone map_variables runs: already cast
+    policy = policy_of(module, path)
     compute = policy.compute_dtype
     running.append(module)
     try:
@@ -369,15 +467,15 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
           fields = {**fields, **fp8_lib.linen_fields(module, path, policy,
                                                      _inside_lifted(path, lifted))}
         stack.enter_context(_fields_set(module, fields))
-        if scopes is not None:
-          stack.enter_context(jax.named_scope(scope_name(scopes.setdefault(path,
-                                                                            len(scopes)))))
-        if (recompute_norms and path not in lifted and _is_norm(type(module))
+        stack.enter_context(places.running(path, nested))
+        stack.enter_context(scoped(path))
+        if (recompute_norms and path not in lifted and not nested
+            and _is_norm(type(module)) and path not in not_norm
             and not module.is_initializing()
             and _widens((args, kwargs), compute)):
-          out = recomputed(module, context, args, kwargs, compute)
+          out = recomputed(module, path, context, args, kwargs, compute)
         else:
-          out = call(next_fun, module, path, context, cast_floating(args, compute),
+          out = call(next_fun, module, path, nested, context, cast_floating(args, compute),
                      cast_floating(kwargs, compute))
     finally:
       running.pop()
@@ -476,8 +574,8 @@ class LinenPolicy:
     recorder, plan = _recording(self.module)
     with nn.intercept_methods(recorder):
       variables = self.module.init(rngs, *args, **kwargs)
-    modules = plan().modules
-    return _cast_variables(variables, modules, resolve_tree(modules, self.model_policy()),
+    found = plan(None)  # not traced: a module holding others is no norm (not_norms)
+    return _cast_variables(variables, found.modules, _resolve(found, self.model_policy()),
                            lambda p: p.param_dtype)
 
   def apply(self, variables: Any, *args: Any, rngs: Any = None,
@@ -509,11 +607,13 @@ class LinenPolicy:
   def _run(self, plan: _Plan, variables: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
            scopes: dict[Path, int] | None = None) -> Any:
     """``apply`` with its plan; with ``scopes``, each module call under a census scope."""
-    policies = resolve_tree(plan.modules, self.model_policy())
+    policies = _resolve(plan, self.model_policy())
     cast = _cast_variables(variables, plan.modules, policies, _compute_dtype,
                            skip=plan.lifted)
     mutable = kwargs.get("mutable", False)
-    with nn.intercept_methods(_casting(policies, plan.lifted, scopes, self.recompute_norms)):
+    excluded = not_norms((path for path, _ in plan.modules), plan.matmuls)
+    with nn.intercept_methods(_casting(policies, plan.lifted, scopes, self.recompute_norms,
+                                       excluded)):
       result = self.module.apply(cast, *args, **kwargs)
     if mutable is False:
       return result
@@ -541,14 +641,14 @@ class LinenPolicy:
                         _arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
                         variables, args, kwargs)
     names = [path_name(path) for path in sorted(scopes, key=scopes.get)]
-    policies = resolve_tree(plan.modules, self.model_policy())
+    policies = _resolve(plan, self.model_policy())
     return (module_matmuls(jaxpr), names,
             {path_name(path): policy for path, policy in policies.items()})
 
   def _check(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:
     """Warns once if a module computing in half by policy leaves matmuls in float32."""
-    policies = resolve_tree(plan.modules, self.model_policy())
+    policies = _resolve(plan, self.model_policy())
     if all(p.compute_dtype.itemsize >= 4 for p in policies.values()):
       return  # nothing computes in half: nothing to check
     ops, names, by_name = self._census(plan, variables, args, kwargs)
@@ -664,7 +764,7 @@ def module_plan(module: nn.Module, variables: Any, *args: Any,
     plan = _abstract_plan(lambda r, a, k: module.init(r, *a, **k), module, rngs, args, kwargs)
   else:
     plan = _apply_plan(module, variables, args, kwargs)
-  policies = resolve_tree(plan.modules, model_policy)
+  policies = _resolve(plan, model_policy)
   inside = frozenset(path_name(path) for path, _ in plan.modules
                      if _inside_lifted(path, plan.lifted))
   return [(path_name(path), cls, policies[path]) for path, cls in plan.modules], inside

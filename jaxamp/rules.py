@@ -15,7 +15,11 @@ A rule's policy is anything :func:`jaxamp.get_policy` accepts, or a callable
 return the surrounding compute dtype), the default rule of the Flax norm classes.
 Norm classes that are not Flax's are found by name (:data:`NORM_NAME_PATTERN`:
 ``BatchNorm``, ``LayerNorm2d``, ``RMSNormGated``; not ``Normalize``) and get the rule
-set for :data:`NAMED_NORMS`, :func:`float32_compute` by default.
+set for :data:`NAMED_NORMS`, :func:`float32_compute` by default. A name alone never
+makes a norm: a module that holds submodules (``FlaxWav2Vec2StableLayerNormEncoder``)
+or runs a matmul or convolution of its own is not one, and no norm rule (neither
+:data:`NAMED_NORMS` nor a :data:`NORM_CLASSES` class's) applies to it
+(:func:`not_norms`).
 
 Precedence, first match wins: path rules, then the most specific class rule (the
 built-in norm defaults are class rules), then the :data:`NAMED_NORMS` rule for a class
@@ -55,6 +59,7 @@ __all__ = [
     "policy_rules",
     "resolve_policy",
     "resolve_tree",
+    "not_norms",
     "NORM_CLASSES",
     "NORM_NAME_PATTERN",
     "NAMED_NORMS",
@@ -387,7 +392,7 @@ def _matches(target: Any, path: str) -> bool:
   return _glob_to_regex(target).fullmatch(path) is not None
 
 
-def _find_rule(cls: type, path: str) -> Rule | None:
+def _find_rule(cls: type, path: str, can_be_norm: bool = True) -> Rule | None:
   rules = _current()
   path = path.strip("/")
   path_rules = [r for r in rules if isinstance(r.target, (str, re.Pattern))]
@@ -397,11 +402,13 @@ def _find_rule(cls: type, path: str) -> Rule | None:
   mro = cls.__mro__
   best, best_rank = None, len(mro)
   for rule in rules:
-    if isinstance(rule.target, type) and rule.target in mro:
+    if (isinstance(rule.target, type) and rule.target in mro
+        and (can_be_norm or rule.target not in NORM_CLASSES)):
       rank = mro.index(rule.target)
       if rank < best_rank:
         best, best_rank = rule, rank
-  if best is None and is_named_norm(cls) and not issubclass(cls, NORM_CLASSES):
+  if best is None and can_be_norm and is_named_norm(cls) and not issubclass(
+      cls, NORM_CLASSES):
     # Flax's norms have class rules of their own; one removed means "follow the model".
     return next((r for r in rules if r.target is NAMED_NORMS), None)
   return best
@@ -429,7 +436,30 @@ def warn_unmatched_path_rules(model: str, paths: Iterable[str], stacklevel: int 
       "part of one.", RuntimeWarning, stacklevel=stacklevel)
 
 
-def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: PolicyLike
+def not_norms(paths: Iterable[tuple[Any, ...]],
+              matmuls: Iterable[tuple[Any, ...]] | None = None) -> frozenset[tuple[Any, ...]]:
+  """The modules of ``paths`` that are no norm, whatever their class or name: those with
+  another listed module below them (an encoder, a layer, a conv block), and those that
+  run a matmul or convolution of their own. No norm rule applies to them.
+
+  Args:
+    paths: module paths as key tuples.
+    matmuls: the paths of the modules that run a matmul or convolution of their own (the
+      census of a traced call, :mod:`jaxamp.census`), where it is known.
+
+  Example:
+    >>> from jaxamp.rules import not_norms
+    >>> paths = [(), ('enc',), ('enc', 'ln'), ('enc', 'dense'), ('weight_norm_conv',)]
+    >>> sorted(not_norms(paths, matmuls=[('enc', 'dense'), ('weight_norm_conv',)]))
+    [(), ('enc',), ('enc', 'dense'), ('weight_norm_conv',)]
+  """
+  paths = set(paths)
+  containers = {path[:n] for path in paths for n in range(len(path)) if path[:n] in paths}
+  return frozenset(containers.union(matmuls or ()))
+
+
+def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: PolicyLike,
+                 matmuls: Iterable[tuple[Any, ...]] | None = None
                  ) -> dict[tuple[Any, ...], Policy]:
   """Every module's policy, parents first, each inheriting from its nearest listed ancestor.
 
@@ -437,21 +467,25 @@ def resolve_tree(modules: Iterable[tuple[tuple[Any, ...], type]], model_policy: 
     modules: ``(path, class)`` pairs, paths as key tuples; the root's path is ``()``.
       Ancestors that are not listed (e.g. plain containers) are skipped over.
     model_policy: the policy of the root (the model-level policy).
+    matmuls: the paths of the modules that run a matmul or convolution of their own,
+      where a census knows them: such a module is no norm (:func:`not_norms`).
 
   Returns:
     ``{path: policy}`` for every listed module.
   """
   model_policy = get_policy(model_policy)
   modules = tuple(modules)
-  key = _tree_key(modules, model_policy)
+  matmuls = None if matmuls is None else frozenset(matmuls)
+  key = _tree_key(modules, model_policy, matmuls)
   found = None if key is None else _trees.get(key)
   if found is not None:
     return dict(found)
+  excluded = not_norms((path for path, _ in modules), matmuls)
   resolved: dict[tuple[Any, ...], Policy] = {}
   for path, cls in sorted(modules, key=lambda entry: len(entry[0])):
     enclosing = next((resolved[path[:n]] for n in range(len(path) - 1, -1, -1)
                       if path[:n] in resolved), model_policy)
-    resolved[path] = resolve_policy(cls, path, enclosing)
+    resolved[path] = resolve_policy(cls, path, enclosing, can_be_norm=path not in excluded)
   if key is not None:
     if len(_trees) >= _TREES_SIZE:
       _trees.clear()
@@ -465,12 +499,12 @@ _trees: dict[Any, dict[tuple[Any, ...], Policy]] = {}
 _TREES_SIZE = 256
 
 
-def _tree_key(modules: tuple[Any, ...], model_policy: Policy) -> Any:
+def _tree_key(modules: tuple[Any, ...], model_policy: Policy, matmuls: Any = None) -> Any:
   """The cache key of a resolve_tree call, or None where its answer may not be reused:
   a rule given as a user's policy function (their code runs every time) or a key that
   cannot be hashed."""
   rules = tuple(_current())
-  key = (modules, model_policy, rules)
+  key = (modules, model_policy, rules, matmuls)
   try:
     if any(_is_policy_fn(rule.spec) and rule.spec not in _PURE_POLICY_FNS for rule in rules):
       return None
@@ -492,7 +526,8 @@ def path_name(path: tuple[Any, ...]) -> str:
   return "/".join(parts)
 
 
-def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike) -> Policy:
+def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike, *,
+                   can_be_norm: bool = True) -> Policy:
   """The policy for a module of class ``cls`` at ``path`` inside a module running ``enclosing``.
 
   Args:
@@ -500,13 +535,26 @@ def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike
     path: its path, ``'/'``-joined or as a tuple of keys (``('blocks', 0, 'attn')``).
     enclosing: the policy of the module that contains it (the model-level policy for the
       top module).
+    can_be_norm: False for a module known to be no norm, whatever its class or name
+      (it holds submodules or runs a matmul: :func:`not_norms`): the norm rules, those
+      of :data:`NORM_CLASSES` and :data:`NAMED_NORMS`, pass it over.
 
   Returns:
     The rule's policy (path rules first, then the most specific class rule), else
     ``enclosing``.
+
+  Example:
+    >>> import jaxamp
+    >>> class StableLayerNormEncoder: pass
+    >>> half = jaxamp.get_policy('mixed_bfloat16')
+    >>> jaxamp.resolve_policy(StableLayerNormEncoder, 'encoder', half).compute_dtype.name
+    'float32'
+    >>> jaxamp.resolve_policy(StableLayerNormEncoder, 'encoder', half,
+    ...                       can_be_norm=False).compute_dtype.name
+    'bfloat16'
   """
   if not isinstance(path, str):
     path = path_name(path)
   enclosing = get_policy(enclosing)
-  rule = _find_rule(cls, path)
+  rule = _find_rule(cls, path, can_be_norm)
   return enclosing if rule is None else rule.policy(enclosing)
