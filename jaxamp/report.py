@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -201,7 +202,8 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   """Reports the dtypes and FLOPs of every matmul ``fn(*args, **kwargs)`` lowers to.
 
   ``fn`` is lowered with ``jax.jit(fn).lower(*args)`` and the StableHLO text is parsed.
-  Args are pytrees (params dicts, ``nnx.State``, ...) and are traced; ``kwargs`` are
+  Args are pytrees (params dicts, ``nnx.State``, Equinox modules, whose non-array
+  leaves are closed over as ``eqx.filter_jit`` does) and are traced; ``kwargs`` are
   closed over as static values (flags such as ``train=False``), so put arrays in
   ``args``. ``fn`` may close over anything.
 
@@ -246,6 +248,12 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   for i in nums:
     if not -len(args) <= i < len(args):
       raise ValueError(f"argnums {argnums!r} out of range for {len(args)} positional args.")
+  eqx = sys.modules.get("equinox")
+  if eqx is not None and any(isinstance(x, eqx.Module) for x in jax.tree.leaves(
+      args, is_leaf=lambda x: isinstance(x, eqx.Module))):
+    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
+
+    fn, args = amp_eqx.arrays_only(fn, args, nums)  # functions, sizes: closed over
   bound = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
   target = jax.value_and_grad(bound, argnums=argnums) if backward else bound
   ops, casts, cast_bytes, unknown_loops = _parse_module(

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -260,6 +261,11 @@ def _matmul_columns(census: Any) -> dict[str, tuple[str, int]]:
   return {path: ("+".join(sorted(dtypes)), flops) for path, (dtypes, flops) in found.items()}
 
 
+def _is_equinox(model: Any) -> bool:
+  eqx = sys.modules.get("equinox")  # a model can be an eqx.Module only once it is imported
+  return eqx is not None and isinstance(model, eqx.Module)
+
+
 def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
             **example_kwargs: Any) -> Summary:
   """One row per module: path, class, param/compute/output dtype, parameters and their bytes.
@@ -272,8 +278,9 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
 
   Args:
     model: an NNX module (or ``jaxamp.nnx.with_policy`` wrapper); a Linen module (its
-      variables are shaped abstractly from ``example_inputs``); or a Linen
-      ``(module, variables)`` pair.
+      variables are shaped abstractly from ``example_inputs``); a Linen
+      ``(module, variables)`` pair; or an Equinox module (or ``jaxamp.equinox``
+      view; example inputs optional, called as ``model(*example_inputs)``).
     *example_inputs: inputs to trace the model with (arrays or
       ``jax.ShapeDtypeStruct``): required for Linen; for NNX, optional (without them
       the matmul column reads "not traced").
@@ -291,9 +298,13 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
     if not example_inputs and not example_kwargs:
       raise ValueError("summary of a Linen module needs example inputs to trace it with.")
     plan, params, census = _linen_plan(model, example_inputs, example_kwargs, policy)
+  elif _is_equinox(model):
+    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
+
+    plan, params, census = amp_eqx.summary_plan(model, example_inputs, example_kwargs, policy)
   else:
-    raise ValueError(f"summary takes an NNX module, a Linen module or a Linen (module, "
-                     f"variables) pair; got {type(model).__name__}.")
+    raise ValueError(f"summary takes an NNX module, a Linen module, a Linen (module, "
+                     f"variables) pair or an Equinox module; got {type(model).__name__}.")
   seen: dict[str, tuple[type, Policy]] = {}
   for path, cls, p in plan:
     seen.setdefault(path, (cls, p))

@@ -27,7 +27,7 @@ from jaxamp.rules import path_name
 from jaxamp.train.loss import F32
 from jaxamp.train.state import TrainState
 
-__all__ = ["NNXAdapter", "LinenAdapter", "Float32Outputs"]
+__all__ = ["NNXAdapter", "LinenAdapter", "EquinoxAdapter", "Float32Outputs"]
 
 
 class Float32Outputs(amp_nnx.PolicyModule):
@@ -114,3 +114,46 @@ class LinenAdapter:
 
   def model(self, state: TrainState) -> tuple[Any, dict[str, Any]]:
     return self.module, {"params": state.params, **state.model_state}
+
+
+@dataclasses.dataclass
+class EquinoxAdapter:
+  """An Equinox model, or any other pytree ``loss_fn`` takes: its floating arrays are
+  the params, its other arrays (integer tables, masks) the model state, the rest
+  (functions, hyperparameters, the structure) ``static``. ``loss_fn`` gets the model
+  put together again as a :func:`jaxamp.equinox.with_policy` view.
+
+  ``eqx.nn.State`` (``eqx.nn.BatchNorm``, ``SpectralNorm``) is not threaded: a
+  ``loss_fn(model, batch)`` has no way to hand a new State back, so ``init`` refuses
+  models that hold an ``eqx.nn.StateIndex``.
+  """
+
+  static: Any
+  recompute_norms: bool = False
+  uses_rng = False  # Equinox models take their keys as arguments: put them in the batch
+
+  @staticmethod
+  def split(model: Any) -> tuple[Any, Any, Any]:
+    """``(params, model_state, static)``: floating arrays, other arrays, the rest."""
+    import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+    params, rest = eqx.partition(model, eqx.is_inexact_array)
+    model_state, static = eqx.partition(rest, eqx.is_array)
+    return params, model_state, static
+
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+    del rng  # Equinox models take their keys as arguments
+    import equinox as eqx  # pylint: disable=g-import-not-at-top
+    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
+
+    model = eqx.combine(params, model_state, self.static)
+    if not train:
+      model = eqx.nn.inference_mode(model)  # Dropout off (eval_step)
+    view = amp_eqx.with_policy(model, policy, recompute_norms=self.recompute_norms,
+                               float32_outputs=float32_outputs)
+    return view, lambda: model_state
+
+  def model(self, state: TrainState) -> Any:
+    import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+    return eqx.combine(state.params, state.model_state, self.static)
