@@ -36,10 +36,8 @@ class TrainStep:
   """A compiled mixed-precision train step; build it with :func:`make_train_step`.
 
   Attributes:
-    options: ``make_train_step``'s arguments, checked (a frozen
-      :class:`jaxamp.train.plan.Options`); ``policy``, ``loss_fn``, ``mesh`` and the
-      other arguments read through to it.
-    plan: what :meth:`init` learnt from the model (None before it).
+    options: ``make_train_step``'s arguments, checked (``policy``, ``mesh``... read
+      through to it); plan: what :meth:`init` learnt from the model (None before).
     master_weights: whether the optimizer updates float32 master weights; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
@@ -147,7 +145,8 @@ class TrainStep:
     the mode it has now (call ``model.train()`` first if it was set to ``.eval()``).
 
     Args:
-      model: an NNX module, or a Linen module (then pass ``variables``).
+      model: an NNX module, a Linen module (then pass ``variables``), or an Equinox
+        module (see :mod:`jaxamp.equinox`).
       variables: the Linen variables (``module.init(...)``'s result).
       *example_args: Linen only: the module's example arguments.
       **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
