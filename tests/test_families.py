@@ -298,3 +298,37 @@ def test_family_summary_attributes_nested_apply(family, path, cls):
   with jaxamp.policy_rules({path: "float32"}):
     assert {p: pol.name for p, _, pol in jaxamp.linen.module_policies(
         module, {"params": params}, *args, policy=HALF)}[path] == "float32"
+
+
+def test_an_nnx_leaf_module_named_like_a_norm_that_holds_a_kernel_is_no_norm():
+  """NNX: a weight-normed linear layer (a leaf module named like a norm, holding a raw
+  kernel it multiplies by) was pinned to float32 by its name; a module holding only
+  vectors, named like a norm, and Flax's LayerNorm stay float32."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  class WeightNormLinear(nnx.Module):
+    def __init__(self, rngs):
+      self.kernel = nnx.Param(jax.random.normal(rngs.params(), (4, 4)))
+      self.g = nnx.Param(jnp.ones(4))
+
+    def __call__(self, x):
+      return x @ (self.kernel[...] / jnp.linalg.norm(self.kernel[...], axis=0) * self.g[...])
+
+  class ScaleNorm(nnx.Module):
+    def __init__(self):
+      self.scale = nnx.Param(jnp.ones(4))
+
+    def __call__(self, x):
+      return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.scale[...]
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.wn, self.norm, self.ln = WeightNormLinear(rngs), ScaleNorm(), nnx.LayerNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.ln(self.norm(self.wn(x)))
+
+  dtypes = {path: p.compute_dtype.name
+            for path, _, p in jaxamp.nnx.module_policies(Net(nnx.Rngs(0)), "mixed_bfloat16")}
+  assert dtypes == {"": "bfloat16", "wn": "bfloat16", "norm": "float32", "ln": "float32"}

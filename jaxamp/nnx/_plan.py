@@ -10,7 +10,14 @@ from flax import nnx
 
 from jaxamp import _flax_compat
 from jaxamp.policy import Policy
-from jaxamp.rules import resolve_tree
+from jaxamp.rules import NORM_CLASSES, resolve_tree
+
+
+def _holds_matrix(module: Any) -> bool:
+  """Whether ``module`` holds, as its own attribute, a floating parameter of two or more
+  dimensions."""
+  return any(isinstance(v, nnx.Param) and getattr(v, "ndim", 0) >= 2
+             for v in vars(module).values())
 
 
 def _base_class(cls: type) -> type:
@@ -68,5 +75,10 @@ def _iter_modules(root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
 def _resolve(model: nnx.Module, policy: Policy) -> list[tuple[tuple[Any, ...], Any, Policy]]:
   """(path, module, policy) for every module of ``model``, in ``nnx.iter_graph`` order."""
   modules = list(_iter_modules(model))
-  resolved = resolve_tree([(path, _base_class(type(node))) for path, node in modules], policy)
+  # A module holding a matrix (a kernel: norms hold vectors) runs a matmul or convolution
+  # of its own, so it is no norm, whatever its name (a weight-normed linear layer).
+  kernels = [path for path, node in modules
+             if not isinstance(node, NORM_CLASSES) and _holds_matrix(node)]
+  resolved = resolve_tree([(path, _base_class(type(node))) for path, node in modules], policy,
+                          matmuls=kernels)
   return [(path, node, resolved[path]) for path, node in modules]
