@@ -18,7 +18,7 @@ Example:
   ...     return x @ w
   >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4)))
   >>> module_matmuls(jaxpr)
-  [ModuleMatmul(module=0, kind='dot_general', lhs_dtype='bfloat16', rhs_dtype='float32', flops=48)]
+  [ModuleMatmul(module=0, kind='dot_general', lhs_dtype='bfloat16', rhs_dtype='float32', flops=48, batched=False)]
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class ModuleMatmul(NamedTuple):
     rhs_dtype: the right operand's (a convolution's kernel's) dtype name.
     flops: FLOPs per call of the function, loop trip counts included (a multiply-add
       counts 2).
+    batched: whether a ``dot_general`` has batch dimensions: a product of two
+      activations (attention scores and their weighted values, per example and head);
+      a layer's product with its kernel has none.
   """
 
   module: int | None
@@ -64,6 +67,7 @@ class ModuleMatmul(NamedTuple):
   lhs_dtype: str
   rhs_dtype: str
   flops: int
+  batched: bool = False
 
   @property
   def is_half(self) -> bool:
@@ -80,18 +84,20 @@ def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
         yield jaxpr
 
 
-def _flops(eqn: Any) -> tuple[str, int] | None:
+def _flops(eqn: Any) -> tuple[str, int, bool] | None:
   name = eqn.primitive.name
   if name not in ("dot_general", "conv_general_dilated"):
     return None
   lhs, rhs = (v.aval for v in eqn.invars[:2])
   out = eqn.outvars[0].aval
   if name == "dot_general":
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    return "dot_general", 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)
+    (contract, _), (batch, _) = eqn.params["dimension_numbers"]
+    return ("dot_general", 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract),
+            bool(len(batch)))
   if name == "conv_general_dilated":
     out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return "convolution", 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
+    return ("convolution",
+            2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1), False)
   return None
 
 
@@ -103,7 +109,7 @@ def _walk(jaxpr: Any, stack: str, times: int, found: list[ModuleMatmul]) -> None
       scopes = _SCOPE_RE.findall(here)
       lhs, rhs = (np.dtype(v.aval.dtype).name for v in eqn.invars[:2])
       found.append(ModuleMatmul(int(scopes[-1]) if scopes else None, op[0], lhs, rhs,
-                                op[1] * times))
+                                op[1] * times, op[2]))
     trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
     for sub in _sub_jaxprs(eqn.params):
       _walk(sub, here, times * int(trips), found)

@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 import jax
@@ -558,20 +558,119 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
-def warn_if_unused(plan: Any, model: str) -> None:
-  """One RuntimeWarning if a row of ``plan`` asks for FP8 but no module can run it: the
-  model's matmuls are in layers jaxamp cannot hook (Hugging Face GPT-2's ``FlaxConv1D``
-  calls ``lax.dot_general`` itself), so the policy would silently give no FP8 at all."""
-  if not any(getattr(policy, "fp8", None) is not None for _, _, policy in plan):
+_HOOKED = "NNX Linear, LinearGeneral, Einsum and Linen Dense, DenseGeneral"
+
+
+def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
+                      policies: Mapping[str, Any],
+                      classes: Mapping[str, type] | None = None) -> dict[str, tuple[str, int]]:
+  """The modules whose policy asks for FP8 but whose own layer matmuls ran without it.
+
+  A layer matmul is a ``dot_general`` without batch dimensions (an input times a kernel);
+  products of two activations (attention scores and values, batched per example and
+  head) stay in the compute dtype under FP8 by design, and are not counted, nor are
+  convolutions (FP8 runs dense layers only). Layers FP8 hooks (``classes`` says which)
+  are skipped: a matmul of theirs without FP8 runs the user's own ``dot_general``.
+
+  Args:
+    ops: a :func:`jaxamp.census.module_matmuls` census.
+    modules: the module path of each scope number.
+    policies: each module's resolved policy, by path.
+    classes: each module's class, by path, where known.
+
+  Returns:
+    ``{path: (class name, FLOPs)}``: FLOPs of the module's own matmuls that ran in
+    neither FP8 dtype.
+
+  Example:
+    >>> import jaxamp
+    >>> from jaxamp.census import ModuleMatmul
+    >>> ops = [ModuleMatmul(0, 'dot_general', 'bfloat16', 'bfloat16', 96),
+    ...        ModuleMatmul(0, 'dot_general', 'bfloat16', 'bfloat16', 32, batched=True)]
+    >>> jaxamp.fp8.unreached_matmuls(ops, ['proj'], {'proj': jaxamp.get_policy('mixed_fp8')})
+    {'proj': ('?', 96)}
+  """
+  from jaxamp.census import FP8_DTYPES  # pylint: disable=g-import-not-at-top
+
+  classes = classes or {}
+  found: dict[str, tuple[str, int]] = {}
+  for op in ops:
+    if (op.module is None or op.kind != "dot_general" or op.batched
+        or op.lhs_dtype in FP8_DTYPES or op.rhs_dtype in FP8_DTYPES):
+      continue
+    path = modules[op.module]
+    policy = policies.get(path)
+    cls = classes.get(path)
+    if getattr(policy, "fp8", None) is None or (cls is not None and runs_fp8(cls, policy)):
+      continue
+    name = cls.__name__ if cls is not None else "?"
+    found[path] = (name, found.get(path, (name, 0))[1] + op.flops)
+  return found
+
+
+def _unreached_message(model: str, policy: str, found: Mapping[str, tuple[str, int]],
+                       total: int) -> str:
+  by_class: dict[str, list[str]] = {}
+  flops: dict[str, int] = {}
+  for path, (cls, n) in found.items():
+    by_class.setdefault(cls, []).append(repr(path or "(model)"))
+    flops[cls] = flops.get(cls, 0) + n
+  share = lambda n: f"{100 * n / max(total, 1):.1f}%"
+  parts = []
+  for cls in sorted(flops, key=lambda c: -flops[c]):
+    paths = by_class[cls]
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    parts.append(f"{cls} ({share(flops[cls])}: {shown})")
+  return (
+      f"jaxamp: under policy {policy!r}, {share(sum(flops.values()))} of the matmul FLOPs "
+      f"of {model} run without FP8, in modules whose policy asks for FP8 but which compute "
+      f"their matmuls themselves (lax.dot_general, jnp.dot, @): {'; '.join(parts)}. FP8 "
+      f"hooks only {_HOOKED} layers; these matmuls run in the compute dtype. Rewrite them with "
+      f"those layers, or keep them out of FP8 with jaxamp.set_policy(<class or path>, "
+      f"'mixed_bfloat16') to silence this.")
+
+
+def warn_if_unused(plan: Any, model: str, policy: str | None = None,
+                   census: Callable[[], tuple[Sequence[Any], Sequence[str]] | None]
+                   | None = None) -> None:
+  """One RuntimeWarning where ``plan``'s rows ask for FP8 but matmuls cannot run it.
+
+  With no layer FP8 can hook (Hugging Face GPT-2 without its LM head), it says so: the
+  policy would silently give no FP8 at all. Otherwise, with ``census`` (a function
+  returning ``(ops, modules)``, :func:`jaxamp.census.module_matmuls` and the module path
+  of each scope number, or None where no census can be taken), it names the modules
+  whose policy asks for FP8 but whose own matmuls ran without it
+  (:func:`unreached_matmuls`; GPT-2's ``FlaxConv1D`` calls ``lax.dot_general``
+  itself), with their share of the matmul FLOPs: once per model class, policy and set
+  of modules.
+
+  Args:
+    plan: ``(path, class, policy)`` per module.
+    model: the model's class name.
+    policy: the model-level policy's name.
+    census: called only when some layer runs FP8.
+  """
+  if not any(getattr(p, "fp8", None) is not None for _, _, p in plan):
     return
-  if any(runs_fp8(cls, policy) for _, cls, policy in plan):
+  if not any(runs_fp8(cls, p) for _, cls, p in plan):
+    classes = sorted({cls.__name__ for _, cls, _ in plan})
+    warnings.warn(
+        f"jaxamp: {model} has no layer that runs FP8 (FP8 hooks {_HOOKED}); its modules "
+        f"are {', '.join(classes[:12])}{' ...' if len(classes) > 12 else ''}. Every matmul "
+        "runs in the compute dtype.", RuntimeWarning, stacklevel=4)
     return
-  classes = sorted({cls.__name__ for _, cls, _ in plan})
-  warnings.warn(
-      f"jaxamp: {model} has no layer that runs FP8 (FP8 hooks NNX Linear, LinearGeneral, "
-      f"Einsum and Linen Dense, DenseGeneral); its modules are {', '.join(classes[:12])}"
-      f"{' ...' if len(classes) > 12 else ''}. Every matmul runs in the compute dtype.",
-      RuntimeWarning, stacklevel=3)
+  taken = census() if census is not None else None
+  if taken is None:
+    return
+  ops, modules = taken
+  found = unreached_matmuls(ops, modules, {path: p for path, _, p in plan},
+                            {path: cls for path, cls, _ in plan})
+  if found:
+    if policy is None:
+      policy = next((p.name for path, _, p in plan if path == ""), "?")
+    _warn_once.warn_once(("fp8.unreached", model, policy, tuple(sorted(found))),
+                         _unreached_message(model, policy, found, sum(op.flops for op in ops)),
+                         RuntimeWarning, stacklevel=4)
 
 
 def init_state(plan: Any) -> dict[str, Fp8Meta]:

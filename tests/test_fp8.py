@@ -7,6 +7,7 @@ step's scale is ``FP8_MAX / max(history) / 2**margin``, the old scale kept where
 amax is 0 or not finite. Quantization is emulated with ml_dtypes' float8 casts.
 """
 
+import re
 import warnings
 
 import jax
@@ -386,6 +387,7 @@ def test_unsupported_combinations_are_refused():
 _MESH_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
+import re
 import warnings
 warnings.filterwarnings("ignore")
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -437,10 +439,10 @@ for name, kw in [("replicated", {{}}), ("fsdp", fsdp),
   np.testing.assert_array_equal(hist[:2], ref_hist[:2])
   newest = np.abs(x.reshape(4, k, -1)[:, -1]).max()  # each device's last micro-batch
   assert hist[0, 0] == newest, (name, hist, newest)
-  # the gradient amax: 4x the single device's (it divided by 4), exactly
-  np.testing.assert_array_equal(hist[2], 4 * ref_hist[2])
-  np.testing.assert_array_equal(np.asarray(meta.scale)[:2], np.asarray(ref.scale)[:2])
-  np.testing.assert_array_equal(np.asarray(meta.scale)[2], np.asarray(ref.scale)[2] / 4)
+  # the gradient amax: the single device's, exactly (each device's loss is weighted by
+  # one over the device count, so its backward pass carries one device's values)
+  np.testing.assert_array_equal(hist[2], ref_hist[2])
+  np.testing.assert_array_equal(np.asarray(meta.scale), np.asarray(ref.scale))
   # one state on every device
   for shard in meta.amax_history.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), hist)
@@ -751,3 +753,90 @@ def test_eval_step_may_call_an_fp8_model_twice():
   expected = (emulated_dot(x, kernel, scale[0], scale[1]) +
               emulated_dot(2 * x, kernel, scale[0], scale[1])) / 2
   np.testing.assert_allclose(np.asarray(twice.eval_step(state, b)), expected, rtol=1e-6)
+
+
+class _OwnDot(nn.Module):
+  """A layer FP8 cannot hook: it calls lax.dot_general itself (as GPT-2's FlaxConv1D)."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    # A product of two activations (attention-like, batched): compute dtype by design.
+    return y + jnp.einsum("btd,bsd->bts", y, y) @ y
+
+
+class _Partly(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="head")(_OwnDot(16, name="proj")(x))
+
+
+def test_fp8_names_the_matmuls_it_cannot_reach_with_their_share(fresh_warnings):
+  """One layer runs FP8, another computes its matmul itself: init names that one, by
+  class and path, with its share of the matmul FLOPs (not only when no layer runs FP8),
+  and leaves out the FP8 layer and the products of two activations."""
+  x = jnp.ones((2, 3, 8))
+  variables = _Partly().init(jax.random.key(0), x)
+  loss = lambda m, b: jnp.mean(m(b).astype(jnp.float32) ** 2)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_fp8")
+  with pytest.warns(RuntimeWarning) as seen:
+    state = train.init(_Partly(), variables, x)
+  assert set(state.fp8) == {"head"}  # the Dense runs FP8, with state
+  found = [str(w.message) for w in seen if "without FP8" in str(w.message)]
+  assert len(found) == 1, [str(w.message) for w in seen]
+  own, pair, head = 2 * 6 * 8 * 16, 2 * 2 * 9 * 16 + 2 * 2 * 9 * 16, 2 * 6 * 16 * 4
+  share = 100 * own / (own + pair + head)
+  assert re.search(rf"under policy 'mixed_fp8', {share:.1f}% of the matmul FLOPs of _Partly "
+                   rf"run without FP8.*: _OwnDot \({share:.1f}%: 'proj'\)\. FP8 hooks only",
+                   found[0]), found[0]
+  assert "head" not in found[0].split("FP8 hooks")[0]
+  assert seen[[str(w.message) for w in seen].index(found[0])].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", "jaxamp: policy 'mixed_fp8' runs FP8 matmuls, but XLA")
+    train.init(_Partly(), variables, x)  # once per model class, policy and modules
+  # Kept out of FP8 by a rule: nothing left to say.
+  with jaxamp.policy_rules({_OwnDot: "mixed_bfloat16"}):
+    ruled = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_fp8")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      warnings.filterwarnings("ignore", "jaxamp: policy 'mixed_fp8' runs FP8 matmuls, but XLA")
+      assert set(ruled.init(_Partly(), variables, x).fp8) == {"head"}
+  # With no layer FP8 can hook, the warning says so.
+  with pytest.warns(RuntimeWarning, match="_OwnDot has no layer that runs FP8"):
+    train.init(_OwnDot(16), _OwnDot(16).init(jax.random.key(0), x), x)
+
+
+def test_unreached_matmuls_reads_an_nnx_census():
+  """The same reading of an NNX census: a module of its own computing ``x @ w`` is named,
+  the Linear (FP8) and the attention scores (two activations) are not."""
+
+  class OwnDot(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 8)))
+
+    def __call__(self, x):
+      return x @ self.w[...].astype(x.dtype)
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
+      self.own = OwnDot(rngs)
+      self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.own(self.attn(x)))
+
+  model = Model(nnx.Rngs(0))
+  ops, names, policies = jaxamp.nnx.with_policy(model, "mixed_fp8").matmul_census(
+      jnp.ones((2, 3, 8)))
+  classes = {path: cls for path, cls, _ in jaxamp.nnx.module_policies(model, "mixed_fp8")}
+  found = jaxamp.fp8.unreached_matmuls(ops, names, policies, classes)
+  assert found == {"own": ("OwnDot", 2 * 6 * 8 * 8)}
+  with jaxamp.policy_rules({"own": "mixed_bfloat16"}):
+    ops, names, policies = jaxamp.nnx.with_policy(model, "mixed_fp8").matmul_census(
+        jnp.ones((2, 3, 8)))
+  assert jaxamp.fp8.unreached_matmuls(ops, names, policies, classes) == {}

@@ -397,15 +397,39 @@ def test_native_nnx_model_with_hard_coded_float32_runs_in_half():
   assert model.norm.seen == jnp.float32  # found by its name: computes in float32
 
 
-def test_fp8_policy_on_a_model_without_hookable_layers_warns(gpt2_variables):
+def test_fp8_policy_names_the_layers_it_cannot_reach(gpt2_variables, fresh_warnings):
   """Hugging Face GPT-2's projections are FlaxConv1D (lax.dot_general called directly):
-  'mixed_fp8' cannot reach them, and says so instead of running with no FP8 at all."""
+  'mixed_fp8' cannot reach them, and says so, naming them and their FLOP share, instead
+  of running them without FP8 in silence. Its tied LM head (a Dense run through
+  ``lm_head.apply``) does run FP8, with delayed-scaling state."""
   train = jaxamp.make_train_step(lambda m, b: lm_loss(m(*gpt2_inputs(b))[0], b),
                                  optax.sgd(0.1), policy="mixed_fp8")
-  with pytest.warns(RuntimeWarning, match="FlaxGPT2LMHeadModule has no layer that runs "
-                    "FP8.*FlaxConv1D"):
+  with pytest.warns(RuntimeWarning) as seen:
     state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(token_ids()))
-  assert state.fp8 is None
+  assert set(state.fp8) == {"lm_head"}
+  assert state.fp8["lm_head"].amax_history.shape == (3, 1024)
+  fp8 = [str(w.message) for w in seen
+         if "FP8" in str(w.message) and "XLA on CPU" not in str(w.message)]
+  assert len(fp8) == 1, fp8
+  share = re.search(r"under policy 'mixed_fp8', ([\d.]+)% of the matmul FLOPs of "
+                    r"FlaxGPT2LMHeadModule run without FP8", fp8[0])
+  assert share, fp8[0]
+  # Every block's four projections, nothing else: not the head (FP8), not the attention
+  # scores and values (two activations: compute dtype by design).
+  assert re.search(r"FlaxConv1D \([\d.]+%: 'transformer/h/0/attn/c_attn', "
+                   r"'transformer/h/0/attn/c_proj', 'transformer/h/0/mlp/c_fc', "
+                   r"'transformer/h/0/mlp/c_proj' and \d+ more\)\. FP8 hooks only", fp8[0]), fp8[0]
+  assert "lm_head" not in fp8[0] and "Attention" not in fp8[0]
+  # The share is the projections' part of the forward matmul FLOPs, from the census.
+  ops, names, _ = jaxamp.linen.with_policy(gpt2_module(), "mixed_fp8").matmul_census(
+      gpt2_variables, *gpt2_inputs(token_ids()))
+  conv = sum(op.flops for op in ops if op.module is not None
+             and names[op.module].rsplit("/", 1)[-1] in ("c_attn", "c_proj", "c_fc"))
+  head = [op for op in ops if op.module is not None and names[op.module] == "lm_head"]
+  assert head and all(op.lhs_dtype == "float8_e4m3fn" for op in head)
+  assert float(share.group(1)) == pytest.approx(100 * conv / sum(op.flops for op in ops),
+                                                abs=0.05)
+  assert 50 < float(share.group(1)) < 100
 
 
 def test_gpt2_clip_reuses_the_step_norm_through_optax_combinators(gpt2_variables):

@@ -205,6 +205,23 @@ def _holders(model: nnx.Module) -> dict[str, list[str]]:
   return {first[k]: v for k, v in held.items() if len(v) > 1 and k in first}
 
 
+def _linen_census(options: Options, model: Any, variables: Any, example_args: tuple[Any, ...],
+                  example_kwargs: Mapping[str, Any]) -> tuple[list[Any], list[str]] | None:
+  """``(ops, modules)``: which module each matmul of a Linen model's forward pass runs in
+  (traced abstractly from the example inputs); None for other models, or where the
+  inputs given for ``init`` cannot run ``apply`` (a dropout RNG it lacks): a check only."""
+  if not isinstance(model, linen.Module):
+    return None
+  kwargs = {"mutable": True, **example_kwargs}
+  try:
+    with level_rules(options):
+      ops, modules, _ = amp_linen.with_policy(model, options.policy).matmul_census(
+          _flax_compat.unbox(variables), *example_args, **kwargs)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return ops, modules
+
+
 def init(options: Options, model: Any, variables: Mapping[str, Any] | None = None,
          *example_args: Any, **example_kwargs: Any) -> tuple[TrainState, Plan]:
   """The first state for ``model`` and the plan of the step that trains it (the state
@@ -246,7 +263,8 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   # FP8 amax histories and scales: their own field, out of the optimizer's reach.
   fp8_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
   if rows is not None:
-    fp8_lib.warn_if_unused(rows, name)
+    fp8_lib.warn_if_unused(rows, name, options.policy.name, census=lambda: _linen_census(
+        options, model, variables, example_args, example_kwargs))
   state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                      model_state=model_state, rng=jax.random.key(options.seed),
                      fp8=fp8_state or None)
