@@ -632,7 +632,7 @@ def _unreached_message(model: str, policy: str, found: Mapping[str, tuple[str, i
 
 def warn_if_unused(plan: Any, model: str, policy: str | None = None,
                    census: Callable[[], tuple[Sequence[Any], Sequence[str]] | None]
-                   | None = None) -> None:
+                   | None = None, stacklevel: int = 4) -> None:
   """One RuntimeWarning where ``plan``'s rows ask for FP8 but matmuls cannot run it.
 
   With no layer FP8 can hook (Hugging Face GPT-2 without its LM head), it says so: the
@@ -649,6 +649,8 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
     model: the model's class name.
     policy: the model-level policy's name.
     census: called only when some layer runs FP8.
+    stacklevel: as for ``warnings.warn`` called where this is called (the default points
+      at the caller of ``TrainStep.init``).
   """
   if not any(getattr(p, "fp8", None) is not None for _, _, p in plan):
     return
@@ -657,7 +659,7 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
     warnings.warn(
         f"jaxamp: {model} has no layer that runs FP8 (FP8 hooks {_HOOKED}); its modules "
         f"are {', '.join(classes[:12])}{' ...' if len(classes) > 12 else ''}. Every matmul "
-        "runs in the compute dtype.", RuntimeWarning, stacklevel=4)
+        "runs in the compute dtype.", RuntimeWarning, stacklevel=stacklevel)
     return
   taken = census() if census is not None else None
   if taken is None:
@@ -670,7 +672,7 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
       policy = next((p.name for path, _, p in plan if path == ""), "?")
     _warn_once.warn_once(("fp8.unreached", model, policy, tuple(sorted(found))),
                          _unreached_message(model, policy, found, sum(op.flops for op in ops)),
-                         RuntimeWarning, stacklevel=4)
+                         RuntimeWarning, stacklevel=stacklevel)
 
 
 def init_state(plan: Any) -> dict[str, Fp8Meta]:

@@ -840,3 +840,33 @@ def test_unreached_matmuls_reads_an_nnx_census():
     ops, names, policies = jaxamp.nnx.with_policy(model, "mixed_fp8").matmul_census(
         jnp.ones((2, 3, 8)))
   assert jaxamp.fp8.unreached_matmuls(ops, names, policies, classes) == {}
+
+
+def test_an_nnx_model_names_the_matmuls_fp8_cannot_reach_on_its_first_step(fresh_warnings):
+  """NNX init has no example inputs to take a census from; the first step's check names
+  a module computing its own matmul (x @ w) under an FP8 policy, with its FLOP share."""
+  import warnings
+
+  class Raw(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 8)))
+
+    def __call__(self, x):
+      return x @ self.w[...]
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.raw, self.head = Raw(rngs), nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.raw(x))
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # FP8 on CPU
+    train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                   policy="mixed_fp8")
+  state = train.init(Net(nnx.Rngs(0)))
+  with pytest.warns(RuntimeWarning, match=r"66\.7% of the matmul FLOPs of Net run without "
+                    r"FP8.*Raw \(66\.7%: 'raw'\)"):
+    state, _ = train.step(state, jnp.ones((4, 8)))
+  assert list(state.fp8) == ["head"]

@@ -314,3 +314,10 @@ def _check(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
       ops, names, {n: p.compute_dtype for n, p in by_name.items()})
   warn_float32_matmuls(_base_class(type(wrapper.module)).__name__,
                        wrapper._model_policy().name, stray, total, stacklevel=5)
+  # Under FP8, the modules whose matmuls FP8 cannot reach (they compute them themselves)
+  # while some layer runs it; init already said so where none does.
+  rows = [(path_name(path), _base_class(type(node)), p)
+          for path, node, p in _resolve(wrapper.module, policy)]
+  if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in rows):
+    fp8_lib.warn_if_unused(rows, _base_class(type(wrapper.module)).__name__, policy.name,
+                           census=lambda: (ops, names), stacklevel=5)
