@@ -321,8 +321,11 @@ def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
   batch = (x, y, jnp.float32(1.0))
   runs = {}
   for p in ("float32", policy):
+    # Compiled at XLA's default level: this test mostly runs convolutions, which the
+    # suite's fast-compile level (tests/conftest.py) slows down.
     train = jaxamp.make_train_step(loss_fn, optax.sgd(0.01, momentum=0.9), policy=p,
-                                   donate=False)
+                                   donate=False,
+                                   compiler_options={"xla_backend_optimization_level": 3})
     state = (train.init(module, variables, x[:2], train=False) if api == "linen"
              else train.init(nnx.clone(model)))
     runs[p] = (train, *train_losses(train, state, [batch] * 6))

@@ -1532,3 +1532,20 @@ def test_an_nnx_sow_without_pop_names_sow_and_the_fix(accum):
   train = jaxamp.make_train_step(popping, optax.sgd(0.1), grad_accum_steps=accum)
   state, metrics = train.step(train.init(Sowing(nnx.Rngs(0))), batch)
   assert bool(metrics["grads_finite"])
+
+
+def test_compiler_options_reach_the_steps_program():
+  """make_train_step(..., compiler_options=) is jax.jit's: XLA reads them (an option it
+  does not know is refused when the step compiles), for the step and the eval step."""
+  batch = make_batches(1)[0]
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
+                                 compiler_options={"xla_backend_optimization_level": 1})
+  state = init(train, "nnx", batchnorm=False)
+  state, metrics = train.step(state, batch)
+  assert bool(metrics["grads_finite"])
+  bad = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
+                               compiler_options={"xla_no_such_option": True})
+  state = init(bad, "nnx", batchnorm=False)
+  for run in (bad.step, bad.eval_step):
+    with pytest.raises(Exception, match="xla_no_such_option"):
+      run(state, batch)

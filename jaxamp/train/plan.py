@@ -58,6 +58,7 @@ class Options:
   warn_skipped_steps: int | None = 100
   skip_nonfinite: bool = True
   model_state_reduction: Mapping[str, str] | None = None
+  compiler_options: Mapping[str, Any] | None = None
 
   def __post_init__(self):
     if self.grad_accum_steps < 1:

@@ -191,16 +191,17 @@ class TrainStep:
     plan = self.plan
     donate = (0,) if self.options.donate else ()
     eval_impl = functools.partial(step_lib.eval_step, plan)
+    jit = functools.partial(jax.jit, compiler_options=self.options.compiler_options)
     if plan.mesh is None:
-      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate)
-      self._eval_jit = jax.jit(eval_impl)
+      self._step_jit = jit(self._step_impl, donate_argnums=donate)
+      self._eval_jit = jit(eval_impl)
     else:
       repl = plan.replicated()
       state = plan.state_shardings if plan.sharded else repl
       data = plan.batch_sharding()
-      self._step_jit = jax.jit(self._step_impl, donate_argnums=donate,
-                               in_shardings=(state, data), out_shardings=(state, repl))
-      self._eval_jit = jax.jit(eval_impl, in_shardings=(state, data))
+      self._step_jit = jit(self._step_impl, donate_argnums=donate,
+                           in_shardings=(state, data), out_shardings=(state, repl))
+      self._eval_jit = jit(eval_impl, in_shardings=(state, data))
 
   def _step_impl(self, state: TrainState, batch: Any):
     self.trace_count += 1  # runs only while tracing
@@ -345,7 +346,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     param_sharding: Any = None,
                     warn_skipped_steps: int | None = 100,
                     skip_nonfinite: bool = True,
-                    model_state_reduction: Mapping[str, str] | None = None) -> TrainStep:
+                    model_state_reduction: Mapping[str, str] | None = None,
+                    compiler_options: Mapping[str, Any] | None = None) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
@@ -414,6 +416,10 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       ``'min'`` (a running maximum or minimum), ``'same'`` (each device makes the same
       change: a count of calls). BatchNorm statistics are averaged and RNG streams kept
       without it; other state a step changes under a mesh is refused until declared.
+    compiler_options: XLA options for the step's and eval step's programs, as
+      ``jax.jit(..., compiler_options=...)`` takes them (e.g.
+      ``{'xla_gpu_enable_latency_hiding_scheduler': True}``); they override
+      ``XLA_FLAGS`` for these programs only.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
@@ -441,4 +447,5 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
       seed=seed, level=level, recompute_norms=recompute_norms,
       param_sharding=param_sharding, warn_skipped_steps=warn_skipped_steps,
-      skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction))
+      skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction,
+      compiler_options=compiler_options))
