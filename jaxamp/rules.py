@@ -44,12 +44,16 @@ import contextlib
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp import _warn_once
+from jaxamp._flax_compat import VARIABLE_VALUE_KEY
+from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike, get_policy
 
 __all__ = [
@@ -558,3 +562,59 @@ def resolve_policy(cls: type, path: str | tuple[Any, ...], enclosing: PolicyLike
   enclosing = get_policy(enclosing)
   rule = _find_rule(cls, path, can_be_norm)
   return enclosing if rule is None else rule.policy(enclosing)
+
+
+def _owner(path: str, module_paths: Sequence[str]) -> str:
+  """The longest module path that contains ``path``."""
+  best = ""
+  for m in module_paths:
+    if (m == "" or path == m or path.startswith(m + "/")) and len(m) > len(best):
+      best = m
+  return best
+
+
+def leaf_name(path: Any) -> str:
+  """The ``'/'``-joined path of a parameter leaf (an ``nnx.Variable``'s ``value`` key
+  dropped), as module paths name it: ``'layers/0/kernel'``."""
+  name = path_name(path)
+  if name == VARIABLE_VALUE_KEY or name.endswith("/" + VARIABLE_VALUE_KEY):
+    name = name[:-len(VARIABLE_VALUE_KEY)].rstrip("/")  # nnx.Variable's own pytree child
+  return name
+
+
+def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
+                       dtype_of: Callable[[Policy], Any]) -> Any:
+  """``params`` with each floating leaf in ``dtype_of(policy)`` of the module owning it.
+
+  Args:
+    params: a params pytree (an ``nnx.State`` or Linen ``'params'`` collection).
+    plan: ``(path, class, policy)`` per module, as ``jaxamp.nnx.module_policies`` and
+      ``jaxamp.linen.module_policies`` return it (a path's first entry counts).
+    dtype_of: picks the dtype from the owner's policy, e.g. ``lambda p: p.param_dtype``.
+
+  Returns:
+    The same structure; integer, boolean and key leaves untouched.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> from jaxamp.rules import cast_module_params
+    >>> params = {'Dense_0': {'kernel': jnp.ones(2)}, 'LayerNorm_0': {'scale': jnp.ones(2)}}
+    >>> plan = [('Dense_0', object, jaxamp.get_policy('bfloat16')),
+    ...         ('LayerNorm_0', object, jaxamp.get_policy('float32'))]
+    >>> cast = cast_module_params(params, plan, lambda p: p.param_dtype)
+    >>> cast['Dense_0']['kernel'].dtype, cast['LayerNorm_0']['scale'].dtype
+    (dtype(bfloat16), dtype('float32'))
+  """
+  policies: dict[str, Policy] = {}
+  for path, _, policy in plan:
+    policies.setdefault(path, policy)
+  module_paths = list(policies)
+
+  def cast(path: Any, leaf: Any) -> Any:
+    owner = _owner(leaf_name(path), module_paths)
+    if owner not in policies or not is_floating_array(leaf):
+      return leaf
+    dtype = np.dtype(dtype_of(policies[owner]))
+    return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+
+  return jax.tree_util.tree_map_with_path(cast, params)

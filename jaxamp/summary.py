@@ -24,11 +24,11 @@ from flax import linen as nn
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
-from jaxamp._flax_compat import VARIABLE_VALUE_KEY
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.report import _bytes
-from jaxamp.rules import path_name, warn_unmatched_path_rules
+from jaxamp.rules import (_owner, cast_module_params, leaf_name,  # pylint: disable=unused-import
+                          path_name, warn_unmatched_path_rules)
 
 __all__ = ["summary", "Summary", "SummaryRow", "cast_module_params", "module_params"]
 
@@ -143,15 +143,6 @@ def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
   return tuple((0, int(s), "") if s.isdigit() else (1, 0, s) for s in path.split("/"))
 
 
-def _owner(path: str, module_paths: Sequence[str]) -> str:
-  """The longest module path that contains ``path``."""
-  best = ""
-  for m in module_paths:
-    if (m == "" or path == m or path.startswith(m + "/")) and len(m) > len(best):
-      best = m
-  return best
-
-
 def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tuple[str, Any]]]:
   """Groups the array leaves of a params tree by the module that owns them.
 
@@ -167,53 +158,6 @@ def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tu
     name = leaf_name(path)
     groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
   return groups
-
-
-def leaf_name(path: Any) -> str:
-  """The ``'/'``-joined path of a parameter leaf (an ``nnx.Variable``'s ``value`` key
-  dropped), as module paths name it: ``'layers/0/kernel'``."""
-  name = path_name(path)
-  if name == VARIABLE_VALUE_KEY or name.endswith("/" + VARIABLE_VALUE_KEY):
-    name = name[:-len(VARIABLE_VALUE_KEY)].rstrip("/")  # nnx.Variable's own pytree child
-  return name
-
-
-def cast_module_params(params: Any, plan: Sequence[tuple[str, type, Policy]],
-                       dtype_of: Callable[[Policy], Any]) -> Any:
-  """``params`` with each floating leaf in ``dtype_of(policy)`` of the module owning it.
-
-  Args:
-    params: a params pytree (an ``nnx.State`` or Linen ``'params'`` collection).
-    plan: ``(path, class, policy)`` per module, as ``jaxamp.nnx.module_policies`` and
-      ``jaxamp.linen.module_policies`` return it (a path's first entry counts).
-    dtype_of: picks the dtype from the owner's policy, e.g. ``lambda p: p.param_dtype``.
-
-  Returns:
-    The same structure; integer, boolean and key leaves untouched.
-
-  Example:
-    >>> import jax.numpy as jnp, jaxamp
-    >>> from jaxamp.summary import cast_module_params
-    >>> params = {'Dense_0': {'kernel': jnp.ones(2)}, 'LayerNorm_0': {'scale': jnp.ones(2)}}
-    >>> plan = [('Dense_0', object, jaxamp.get_policy('bfloat16')),
-    ...         ('LayerNorm_0', object, jaxamp.get_policy('float32'))]
-    >>> cast = cast_module_params(params, plan, lambda p: p.param_dtype)
-    >>> cast['Dense_0']['kernel'].dtype, cast['LayerNorm_0']['scale'].dtype
-    (dtype(bfloat16), dtype('float32'))
-  """
-  policies: dict[str, Policy] = {}
-  for path, _, policy in plan:
-    policies.setdefault(path, policy)
-  module_paths = list(policies)
-
-  def cast(path: Any, leaf: Any) -> Any:
-    owner = _owner(leaf_name(path), module_paths)
-    if owner not in policies or not is_floating_array(leaf):
-      return leaf
-    dtype = np.dtype(dtype_of(policies[owner]))
-    return leaf if leaf.dtype == dtype else leaf.astype(dtype)
-
-  return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _nnx_plan(model: Any, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],

@@ -25,8 +25,8 @@ from jaxamp import nnx as amp_nnx
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
-from jaxamp.rules import asks_for_fp8, path_name, warn_unmatched_path_rules
-from jaxamp.summary import cast_module_params, leaf_name
+from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name,
+                          warn_unmatched_path_rules)
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
 from jaxamp.train.loss import F32
