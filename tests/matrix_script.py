@@ -22,7 +22,7 @@ import jaxamp
 P = jax.sharding.PartitionSpec
 
 FACTORS = {
-    "model": ["nnx", "linen"],
+    "model": ["nnx", "linen", "equinox"],
     "layout": ["replicated", "fsdp", "fsdp over two axes", "logical rules"],
     "policy": ["float32", "mixed_bfloat16", "mixed_float16", "float16", "mixed_fp8",
                "mixed_fp8_current", "p=f32,c=f16,fp8=delayed"],
@@ -36,22 +36,30 @@ LOGICAL = [("embed", ("data", "model")), ("mlp", None)]  # MaxText-style: two ax
 STEPS, BATCH, DATA = 3, 16, 4
 
 
+def refused(row):
+  """Whether make_train_step or init refuses ``row``: Equinox keeps model state in
+  eqx.nn.State, which loss_fn(model, batch) cannot hand back."""
+  return row["model"] == "equinox" and row["state"] != "none"
+
+
 def pairwise(factors):
-  """A small list of rows in which every pair of two factors' values appears."""
+  """A small list of rows in which every pair of two factors' values appears in a row
+  that runs; each pair that makes a row refused gets one row of its own."""
   names = list(factors)
-  uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
-               for va in factors[a] for vb in factors[b]}
+  pairs = lambda row: {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+  candidates = [dict(zip(names, values)) for values in itertools.product(*factors.values())]
+  uncovered = set().union(*(pairs(row) for row in candidates if not refused(row)))
   rows = []
-  candidates = list(itertools.product(*factors.values()))
   while uncovered:
-    def gain(values):
-      row = dict(zip(names, values))
-      return sum((a, row[a], b, row[b]) in uncovered
-                 for a, b in itertools.combinations(names, 2))
-    best = max(candidates, key=gain)  # first of the best: deterministic
-    row = dict(zip(names, best))
-    uncovered -= {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
-    rows.append(row)
+    best = max((row for row in candidates if not refused(row)),
+               key=lambda row: len(pairs(row) & uncovered))  # first of the best
+    uncovered -= pairs(best)
+    rows.append(best)
+  for state in factors["state"]:
+    row = {name: values[0] for name, values in factors.items()}
+    row.update(model="equinox", state=state)
+    if refused(row):
+      rows.append(row)
   return rows
 
 
@@ -108,6 +116,30 @@ class LinenNet(nn.Module):
         jax.nn.relu(h))
 
 
+def equinox_net(state):
+  """The same network in Equinox. Its state lives in eqx.nn.State, which a
+  loss_fn(model, batch) cannot hand back: init refuses BatchNorm and counters."""
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class EqxNet(eqx.Module):
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    bn: object
+    calls: object
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.l1, self.l2 = eqx.nn.Linear(16, 32, key=k1), eqx.nn.Linear(32, 8, key=k2)
+      self.bn = eqx.nn.BatchNorm(32, axis_name="batch") if state == "batchnorm" else None
+      self.calls = (eqx.nn.StateIndex(jnp.zeros((), jnp.int32)) if state == "counters"
+                    else None)
+
+    def __call__(self, x):
+      return jax.vmap(self.l2)(jax.nn.relu(jax.vmap(self.l1)(x)))
+
+  return EqxNet(jax.random.key(0))
+
+
 def loss_fn(model, batch):
   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
@@ -143,14 +175,16 @@ def layout_kwargs(layout, mesh):
   return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.annotated(LOGICAL))
 
 
-def run(row, mesh):
-  """Trains ``row`` on ``mesh`` (None: one device): per-step records and the state."""
+def made(row, mesh):
+  """The train step and first state of ``row`` (on ``mesh``, or one device)."""
   axis_name = "data" if mesh is not None else None
   kw = layout_kwargs(row["layout"], mesh) if mesh is not None else {}
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=row["policy"],
                                  grad_accum_steps=row["accum"],
                                  model_state_reduction=REDUCTION, **kw)
-  if row["model"] == "nnx":
+  if row["model"] == "equinox":
+    state = train.init(equinox_net(row["state"]))
+  elif row["model"] == "nnx":
     with nnx.use_eager_sharding(False):  # annotations only: the train step lays out
       model = NNXNet(row["state"], axis_name, nnx.Rngs(0))
     state = train.init(model)
@@ -162,6 +196,19 @@ def run(row, mesh):
     else:
       variables = module.init(jax.random.key(0), x)
     state = train.init(module, variables, x)
+  return train, state
+
+
+class Refused(Exception):
+  """make_train_step or init refused the combination (a ValueError naming why)."""
+
+
+def run(row, mesh):
+  """Trains ``row`` on ``mesh`` (None: one device): per-step records and the state."""
+  try:
+    train, state = made(row, mesh)
+  except ValueError as e:
+    raise Refused(str(e)) from e
   records, skips_exact = [], True
   for b in batches(row["fault"]):
     if mesh is None:
@@ -204,6 +251,9 @@ def compare(row, mesh, references):
   try:
     if key not in references:
       references[key] = run(row, None)
+  except Refused as e:  # refused at make_train_step or init: say so, and why
+    return {"refused": str(e)[:400]}
+  try:
     ref_records, ref_exact, ref_state = references[key]
     records, exact, state = run(row, mesh)
   except Exception as e:  # pylint: disable=broad-except
