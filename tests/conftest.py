@@ -56,3 +56,14 @@ def once_per_run(tmp_path_factory):
     return folder
 
   return run
+
+
+@pytest.fixture
+def fresh_jaxamp_state():
+  """Puts back what a test may change process-wide: the global policy and the rules."""
+  import jaxamp  # pylint: disable=g-import-not-at-top
+
+  policy = jaxamp.global_policy()
+  yield
+  jaxamp.set_global_policy(policy)
+  jaxamp.clear_policies()

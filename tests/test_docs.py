@@ -57,13 +57,8 @@ def run_block(code: str, where: str) -> dict:
   return namespace
 
 
-@pytest.fixture(autouse=True)
-def _fresh_jaxamp_state():
-  """Puts back what a block may change process-wide: the global policy and the rules."""
-  policy = jaxamp.global_policy()
-  yield
-  jaxamp.set_global_policy(policy)
-  jaxamp.clear_policies()
+# Each block may set the global policy or rules, as a fresh interpreter would have them.
+pytestmark = pytest.mark.usefixtures("fresh_jaxamp_state")
 
 
 # What a block prints that its page states (a printed line, exactly), by (page, block index).

@@ -579,28 +579,10 @@ def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_wa
 
 
 def test_nnx_layers_inside_scan_fall_back_to_current_scaling(fresh_warnings):
-
-  class Stack(nnx.Module):
-    def __init__(self):
-      @nnx.split_rngs(splits=3)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return nnx.Linear(8, 8, rngs=rngs)
-
-      self.blocks = make(nnx.Rngs(0))
-      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
-
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def body(x, block):
-        return nnx.relu(block(x))
-
-      return self.head(body(x, self.blocks))
-
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
                                  policy="mixed_fp8")
-  state = train.init(Stack())
+  state = train.init(_NNXScanStack())
   assert set(state.fp8) == {"head"}  # the stacked kernels get no state
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")

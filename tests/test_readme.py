@@ -32,12 +32,8 @@ def _run(code: str) -> dict:
   return namespace
 
 
-@pytest.fixture(autouse=True)
-def _fresh_jaxamp_state():
-  policy = jaxamp.global_policy()
-  yield
-  jaxamp.set_global_policy(policy)
-  jaxamp.clear_policies()
+# Each block may set the global policy or rules, as a fresh interpreter would have them.
+pytestmark = pytest.mark.usefixtures("fresh_jaxamp_state")
 
 
 def test_readme_is_a_short_guide():
