@@ -549,23 +549,11 @@ def test_linen_module_run_twice_is_refused():
 
 
 def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_warnings):
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      return nn.relu(nn.Dense(8, name="inner")(x)), None
-
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                  length=3)(name="blocks")(x, None)[0]
-      return nn.Dense(2, name="head")(x)
-
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
                                  policy="mixed_fp8")
-  state = train.init(Stack(), Stack().init(jax.random.key(0), x), x)
+  stack = _linen_scan_stack()
+  state = train.init(stack, stack.init(jax.random.key(0), x), x)
   assert set(state.fp8) == {"head"}  # no state for the scanned layer
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")

@@ -44,7 +44,7 @@ class _Split(NamedTuple):
   model_state: Any
   rows: list[Any] | None  # (path, class, policy) per module
   fp8_rows: list[Any] | None  # the rows of modules that keep FP8 state
-  holders: dict[str, list[str]]  # tied params: the modules holding each
+  holders: dict[str, list[str]]  # tied params: the modules holding each (FSDP only)
 
 
 def unwrap(options: Options, model: Any) -> tuple[Any, bool]:
@@ -76,7 +76,7 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
       fp8_rows = [row for row in rows if row[0] not in stacked]
     graphdef, params, model_state = NNXAdapter.split(model)
     return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows,
-                  _holders(model))
+                  _holders(model) if options.param_sharding is not None else {})
   if _is_pytree_model(model, variables):
     return _split_pytree(options, model, recompute, example_args, example_kwargs)
   if variables is None or "params" not in variables:
