@@ -248,12 +248,11 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   for i in nums:
     if not -len(args) <= i < len(args):
       raise ValueError(f"argnums {argnums!r} out of range for {len(args)} positional args.")
-  eqx = sys.modules.get("equinox")
-  if eqx is not None and any(isinstance(x, eqx.Module) for x in jax.tree.leaves(
-      args, is_leaf=lambda x: isinstance(x, eqx.Module))):
+  if "equinox" in sys.modules:  # a model can be an eqx.Module only once it is imported
     from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
 
-    fn, args = amp_eqx.arrays_only(fn, args, nums)  # functions, sizes: closed over
+    if amp_eqx.holds_modules(args):
+      fn, args = amp_eqx.arrays_only(fn, args, nums)  # functions, sizes: closed over
   bound = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
   target = jax.value_and_grad(bound, argnums=argnums) if backward else bound
   ops, casts, cast_bytes, unknown_loops = _parse_module(
