@@ -1257,6 +1257,26 @@ def test_a_state_from_another_step_is_refused():
   new, _ = sgd.step(new, batch)  # the step's own output passes (no check needed)
 
 
+def test_a_state_laid_out_as_the_steps_own_skips_the_check(monkeypatch):
+  """A state the step did not return, but with the structure, shapes, dtypes and
+  placement of those it returns (the returned one with the user's own params), runs
+  without the state check's tree walks; one that differs is still checked and refused."""
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
+  batch = make_batches(1)[0]
+  state, _ = train.step(init(train, "nnx", batchnorm=False), batch)
+  checked, check = [], jaxamp.train.train_step.mismatch
+  monkeypatch.setattr(jaxamp.train.train_step, "mismatch",
+                      lambda s, e: checked.append(s) or check(s, e))
+  ours = state._replace(params=jax.tree.map(lambda x: x * 2, state.params))
+  state, _ = train.step(ours, batch)
+  state, _ = train.step(state._replace(), batch)
+  assert not checked and int(state.step) == 3
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state.params)
+  with pytest.raises(ValueError, match=r"params.*is bfloat16\[.*this step's is float32"):
+    train.step(state._replace(params=half), batch)
+  assert len(checked) == 1
+
+
 def test_loss_fn_misuse_gets_a_clear_error_naming_the_fix():
   batch = make_batches(1)[0]
   with pytest.raises(TypeError, match=r"loss_fn must take \(model, batch\)"):
@@ -1436,8 +1456,9 @@ def test_step_fn_under_the_users_jit_and_scan_steps_as_train_step(api):
   for b in batches:
     got, m = jitted(got, b)
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-  scanned, scan_metrics = jax.jit(lambda s, bs: jax.lax.scan(train.step_fn, s, bs))(
-      state, stacked)
+  # As docs/guides/train_step.md ("Your own jit or scan") runs it: donating the state.
+  scanned, scan_metrics = jax.jit(lambda s, bs: jax.lax.scan(train.step_fn, s, bs),
+                                  donate_argnums=0)(state, stacked)
   data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
   for other in (got, scanned):
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(other)):

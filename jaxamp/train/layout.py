@@ -16,8 +16,8 @@ from jaxamp.casting import is_floating_array
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
 
-__all__ = ["place", "laid_out_state", "state_shardings", "laid_out", "put_batch",
-           "gathered_for_eval"]
+__all__ = ["place", "laid_out_state", "signature", "state_shardings", "laid_out",
+           "put_batch", "gathered_for_eval"]
 
 
 def place(tree: Any, shardings: Any) -> Any:
@@ -67,6 +67,30 @@ def laid_out_state(plan: Plan, state: TrainState) -> TrainState:
     return place(state, plan.state_shardings)
   repl = plan.replicated()
   return place(state, jax.tree.map(lambda _: repl, state))
+
+
+def signature(tree: Any) -> list[Any] | None:
+  """What the step sees of ``tree`` and where it lives: its structure, then each leaf's
+  shape, dtype, placement and commitment; None where a leaf is not a concrete
+  ``jax.Array`` (a host array, a tracer, a ``ShapeDtypeStruct``).
+
+  Two trees with equal signatures pass the same state check and need the same moves, so
+  a state whose signature is that of one the step returned needs neither (the step then
+  costs a flatten and a few attribute reads instead of the check's tree walks).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  out: list[Any] = [treedef]
+  for x in leaves:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return None
+    if isinstance(x.dtype, np.dtype):
+      where = x.sharding
+    elif x.ndim == 0 and not x.is_deleted():  # a scalar PRNG key: its devices place it,
+      where = x.devices()  # for a fortieth of what reading its sharding costs
+    else:
+      return None
+    out.append((x.shape, x.dtype, where, x.committed))
+  return out
 
 
 def state_shardings(plan: Plan, state: TrainState) -> TrainState:

@@ -70,9 +70,11 @@ class TrainStep:
                      else None)
     self._step_jit: Any = None
     self._eval_jit: Any = None
-    # The skeleton of the state init made, and the last state step returned (known good).
+    # The skeleton of the state init made, the last state step returned (known good) and
+    # the layout.signature of the states step returns (computed when first needed).
     self._expected: Any = None
     self._last_state: Any = None
+    self._returned: Any = None
     self.trace_count = 0
 
   @property
@@ -166,7 +168,7 @@ class TrainStep:
     elif plan.mesh is not None:
       state = jax.device_put(state, plan.replicated())
     self._expected = abstract_state(state)
-    self._last_state = None  # states made before this init must pass the check
+    self._last_state = self._returned = None  # states made before this init are checked
     return state
 
   def check_state(self, state: Any) -> None:
@@ -216,16 +218,25 @@ class TrainStep:
       raise RuntimeError("Call train.init(...) before train.step(...).")
     state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
     new_state, metrics = self._plain_reads_if_needed(lambda: self._step_jit(state, batch))
-    self._last_state = new_state
+    if not isinstance(new_state.step, jax.core.Tracer):  # not called inside the user's jit
+      self._last_state = new_state
     if self._streaks is not None:
       self._streaks.observe(metrics)
     return new_state, metrics
 
   def _accepted(self, state: Any, place: bool = True) -> Any:
-    """``state`` checked, unless this step returned it, and (``place``) moved to the
-    step's layout: a restored state, a host copy, or one from a step of another layout
-    gets the step's shardings."""
-    if state is not self._last_state:  # the step's own output needs no check
+    """``state`` checked and (``place``) moved to the step's layout: a restored state, a
+    host copy, or one from a step of another layout gets the step's shardings.
+
+    The state this step returned last passes as it is; so does one laid out as the
+    states it returns (same structure, shapes, dtypes, placement: say the returned
+    state with new params the user computed), after a cheaper comparison than the check.
+    """
+    if state is self._last_state:
+      return state
+    if self._returned is None and self._last_state is not None:
+      self._returned = layout.signature(self._last_state)
+    if self._returned is None or layout.signature(state) != self._returned:
       self.check_state(state)
       if place:
         state = layout.laid_out_state(self.plan, state)
