@@ -11,7 +11,8 @@ Entry points:
   Flax models    ``jaxamp.nnx.with_policy(model)``, ``jaxamp.linen.with_policy(module)``
   train step     ``make_train_step(loss_fn, optimizer, policy=...)``: a ``TrainStep`` with
                  ``init``, ``step``, ``eval_step``, ``model``, ``trace``, ``lower``; loss
-                 scaling, exact skips, accumulation, master weights, ``mesh=`` sharding
+                 scaling, exact skips, accumulation, master weights, ``mesh=`` sharding;
+                 ``half_residuals(fn)``: the backward pass keeps half values and statistics
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
@@ -59,6 +60,7 @@ from jaxamp.policy import (
     policy_scope,
     set_global_policy,
 )
+from jaxamp.residuals import half_residuals
 from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
 from jaxamp.inference import convert_for_inference
@@ -118,6 +120,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "abstract_state",
+    "half_residuals",
     "make_train_step",
     "annotated",
     "fsdp",

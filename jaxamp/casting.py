@@ -145,9 +145,21 @@ class NarrowCotangents:
 
   def __init__(self):
     self._found: dict[int, tuple[jax.Array, jax.Array]] = {}
+    self._reads: dict[int, tuple[jax.Array, list[np.dtype]]] = {}
 
   def record(self, wide: jax.Array, narrow: jax.Array) -> None:
     self._found[id(wide)] = (wide, narrow)
+
+  def read(self, x: jax.Array, dtype: np.dtype) -> None:
+    """Notes a narrowing read of ``x`` (forward pass)."""
+    entry = self._reads.setdefault(id(x), (x, []))
+    if entry[0] is x:
+      entry[1].append(dtype)
+
+  def read_once(self, x: Any) -> np.dtype | None:
+    """The dtype ``x`` was read in, if it was read exactly once through :func:`read_as`."""
+    entry = self._reads.get(id(x))
+    return entry[1][0] if entry is not None and entry[0] is x and len(entry[1]) == 1 else None
 
   def narrow(self, grad: Any) -> jax.Array | None:
     """The half-precision value whose widening ``grad`` is (the same traced value), or None."""
@@ -222,4 +234,35 @@ def read_as(x: Any, dtype: np.dtype) -> Any:
   dtype = np.dtype(dtype)
   if not _floating_dtype(dtype) or dtype.itemsize >= x.dtype.itemsize:
     return cast_floating(x, dtype)
+  _active.found.read(x, dtype)
   return _recorded_narrowing(x, (np.dtype(x.dtype), dtype))
+
+
+def recording() -> NarrowCotangents | None:
+  """The :class:`NarrowCotangents` recording in this thread, or None."""
+  return getattr(_active, "found", None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def narrow_at_boundary(x: jax.Array, narrow: np.dtype) -> jax.Array:
+  """``x`` itself; its cotangent, known to be a ``narrow`` value widened (the cotangent
+  of one narrowing read inside a ``jax.checkpoint``, which :func:`read_as` cannot see
+  from outside), is recorded in the active :class:`NarrowCotangents` with that value."""
+  del narrow
+  return x
+
+
+def _boundary_fwd(x: jax.Array, narrow: np.dtype) -> tuple[jax.Array, None]:
+  del narrow
+  return x, None
+
+
+def _boundary_bwd(narrow: np.dtype, _: None, ct: jax.Array) -> tuple[jax.Array]:
+  found = getattr(_active, "found", None)
+  if found is not None:
+    # Exact: ct is a narrow value widened. XLA folds the round trip.
+    found.record(ct, jax.lax.convert_element_type(ct, narrow))
+  return (ct,)
+
+
+narrow_at_boundary.defvjp(_boundary_fwd, _boundary_bwd)

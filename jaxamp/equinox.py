@@ -53,6 +53,7 @@ from jaxamp.casting import cast_leaf, is_floating_array, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
+from jaxamp.residuals import recompute_all
 from jaxamp.rules import path_name, resolve_tree
 
 __all__ = ["POLICY_METHODS", "with_policy", "module_policies", "unwrap", "view_policy",
@@ -261,7 +262,7 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
   if info.recompute_norms and issubclass(info.base, _NORMS) and _widens(args, kwargs, compute):
     # The cast inside the checkpoint: reverse mode keeps the half-precision input, not
     # the float32 intermediates.
-    run = eqx.filter_checkpoint(run)
+    run = eqx.filter_checkpoint(run, policy=recompute_all)
   if info.scope is not None:  # a census run
     with jax.named_scope(scope_name(info.scope)):
       out = run(module, args, kwargs)

@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
                                  set_attr_unchecked, union_filters)
 from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, read_as
@@ -411,7 +412,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
 
     mapping.add(path)  # the clone nn.remat runs is already cast
     try:
-      return nn.remat(body)(module, *(leaves[i] for i in where))
+      return nn.remat(body, policy=residuals_lib.recompute_all)(
+          module, *(leaves[i] for i in where))
     finally:
       mapping.discard(path)
 
@@ -531,6 +533,8 @@ class LinenPolicy:
       :func:`jaxamp.global_policy` when it wraps the module).
     recompute_norms: whether norms that compute wider than their inputs are recomputed
       in the backward pass (off by default).
+    half_residuals: whether ``apply`` runs under :func:`jaxamp.half_residuals` when a
+      module computes in half precision (on by default).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -548,6 +552,7 @@ class LinenPolicy:
   module: nn.Module
   policy: Policy
   recompute_norms: bool = False
+  half_residuals: bool = True
   _plans: collections.OrderedDict = dataclasses.field(
       default_factory=collections.OrderedDict, repr=False)
   _checked: set = dataclasses.field(default_factory=set, repr=False)
@@ -608,17 +613,25 @@ class LinenPolicy:
            scopes: dict[Path, int] | None = None) -> Any:
     """``apply`` with its plan; with ``scopes``, each module call under a census scope."""
     policies = _resolve(plan, self.model_policy())
-    cast = _cast_variables(variables, plan.modules, policies, _compute_dtype,
-                           skip=plan.lifted)
-    mutable = kwargs.get("mutable", False)
     excluded = not_norms((path for path, _ in plan.modules), plan.matmuls)
-    with nn.intercept_methods(_casting(policies, plan.lifted, scopes, self.recompute_norms,
-                                       excluded)):
-      result = self.module.apply(cast, *args, **kwargs)
-    if mutable is False:
-      return result
-    out, state = result
-    return out, _restore(state, cast, variables)
+
+    def run(variables, args, kwargs):
+      # The casts inside: under half_residuals, the backward pass recasts a parameter
+      # from its float32 value rather than keeping its half-precision copy.
+      cast = _cast_variables(variables, plan.modules, policies, _compute_dtype,
+                             skip=plan.lifted)
+      with nn.intercept_methods(_casting(policies, plan.lifted, scopes,
+                                         self.recompute_norms, excluded)):
+        result = self.module.apply(cast, *args, **kwargs)
+      if kwargs.get("mutable", False) is False:
+        return result
+      out, state = result
+      return out, _restore(state, cast, variables)
+
+    if scopes is None and self.half_residuals and any(
+        p.compute_dtype.itemsize < 4 for p in policies.values()):
+      run = residuals_lib.half_residuals(run)
+    return run(variables, args, kwargs)
 
   def matmul_census(self, variables: Any, *args: Any, **kwargs: Any
                     ) -> tuple[list[Any], list[str], dict[str, Policy]]:
@@ -672,7 +685,7 @@ class LinenPolicy:
 
 
 def with_policy(module: nn.Module, policy: PolicyLike | None = None, *,
-                recompute_norms: bool = False) -> LinenPolicy:
+                recompute_norms: bool = False, half_residuals: bool = True) -> LinenPolicy:
   """Wraps an unmodified Linen ``module`` to run each submodule under its policy.
 
   Args:
@@ -682,9 +695,15 @@ def with_policy(module: nn.Module, policy: PolicyLike | None = None, *,
       and scopes do not change the wrapper, eager or jitted. Rules set with
       :func:`jaxamp.set_policy` / :func:`jaxamp.policy_rules` refine it per module.
     recompute_norms: run norms that compute wider than their inputs (the float32
-      default inside a half-precision model) under ``nn.remat``, so reverse mode keeps
-      their half-precision inputs instead of float32 intermediates. Saves activation
-      memory, costs time on a GPU: off by default.
+      default inside a half-precision model) under ``nn.remat``: the backward pass
+      recomputes their statistics too. ``half_residuals`` already keeps a norm's
+      half-precision input and statistics, not its float32 intermediates, so this
+      saves only the statistics: off by default.
+    half_residuals: when a module computes in half precision, ``apply`` runs under
+      :func:`jaxamp.half_residuals`: reverse mode saves half-precision values and
+      statistics and recomputes float32 elementwise work (float32 norms' insides,
+      parameter casts) in the backward pass, with the same gradients. On by default;
+      False keeps what plain reverse mode saves.
 
   Returns:
     A :class:`LinenPolicy` with Linen's ``init(rngs, *args, **kwargs)`` and
@@ -713,7 +732,7 @@ def with_policy(module: nn.Module, policy: PolicyLike | None = None, *,
   # Resolved now, not per call: a jitted apply would otherwise freeze whatever policy
   # was in force at its trace and silently ignore a later set_global_policy.
   return LinenPolicy(module, global_policy() if policy is None else get_policy(policy),
-                     bool(recompute_norms))
+                     bool(recompute_norms), bool(half_residuals))
 
 
 def module_policies(module: nn.Module, variables: Any, *args: Any,

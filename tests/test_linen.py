@@ -522,7 +522,7 @@ def test_residual_bytes_no_more_than_hand_set_bfloat16(lm_setup, cnn_setup):
   f32 = saved(lm_loss(models.TransformerLM(), ids), params)
   hand = saved(lm_loss(models.TransformerLM(dtype=jnp.bfloat16), ids), params)
   ours = saved(lm_loss(jl.with_policy(models.TransformerLM(), "mixed_bfloat16"), ids), params)
-  assert ours <= hand and ours <= 0.70 * f32, (ours / f32, hand / f32)
+  assert ours <= hand and ours <= 0.6 * f32, (ours / f32, hand / f32)
 
   images, labels, variables = cnn_setup
   args = (images, labels, variables["batch_stats"])
@@ -530,7 +530,7 @@ def test_residual_bytes_no_more_than_hand_set_bfloat16(lm_setup, cnn_setup):
   hand = saved(cnn_loss(models.CNN(dtype=jnp.bfloat16), *args), variables["params"])
   ours = saved(cnn_loss(jl.with_policy(models.CNN(), "mixed_bfloat16"), *args),
                variables["params"])
-  assert ours <= hand and ours <= 0.85 * f32, (ours / f32, hand / f32)
+  assert ours <= hand and ours <= 0.6 * f32, (ours / f32, hand / f32)
 
   # nn.remat inside nn.scan: the parameter casts happen inside the rematerialized body,
   # so no half-precision copy of the stacked parameters is kept for the backward pass.

@@ -134,23 +134,19 @@ def test_half_flops_and_residuals_linen_and_nnx(family, request):
     warnings.simplefilter("error")  # no float32-matmul warning: the policy reached them
     linen = report(linen_loss("mixed_bfloat16"), params, rest, x)
     nnx_report = report(*nnx_loss(nnx_model, "mixed_float16", loss), x)
-    recomputed = report(linen_loss("mixed_bfloat16", recompute_norms=True), params, rest, x)
-    nnx_recomputed = report(*nnx_loss(nnx_model, "mixed_float16", loss, recompute_norms=True),
-                            x)
-  # Residuals as a fraction of float32 (jax 0.10.2): GPT-2 0.46 either way (its norms are
-  # a small part), ResNet-18 0.87 by default (BatchNorm saves float32 intermediates) and
-  # 0.51 when norms are recomputed from their half-precision inputs.
-  default_limit = 0.7 if family == "gpt2" else 0.9
-  for got, half, limit in ((linen, "bfloat16", default_limit),
-                           (nnx_report, "float16", default_limit),
-                           (recomputed, "bfloat16", 0.7), (nnx_recomputed, "float16", 0.7)):
+    plain = report(linen_loss("mixed_bfloat16", half_residuals=False), params, rest, x)
+  # Residuals as a fraction of float32 (jax 0.10.2), Linen: without half_residuals GPT-2
+  # 0.58, ResNet-18 0.87 (BatchNorm saves float32 intermediates, each conv its half
+  # kernel); with it (the default), float32 norms keep their half-precision input and
+  # statistics and parameters no half copy: GPT-2 0.44, ResNet-18 0.41 (0.41 too at
+  # batch 32 of 32x32 images, where plain reverse mode keeps 1.58x float32).
+  for got, half in ((linen, "bfloat16"), (nnx_report, "float16"), (plain, "bfloat16")):
     assert got.half_share >= 0.99, str(got)
     assert {op.lhs_dtype for op in got.ops} == {half}
-    assert got.residual_bytes <= limit * f32.residual_bytes, (
+  for got in (linen, nnx_report):
+    assert got.residual_bytes <= 0.6 * f32.residual_bytes, (
         got.residual_bytes / f32.residual_bytes)
-  if family == "resnet":
-    assert recomputed.residual_bytes < linen.residual_bytes
-    assert nnx_recomputed.residual_bytes < nnx_report.residual_bytes
+  assert linen.residual_bytes < plain.residual_bytes
 
 
 def test_third_party_batchnorm_is_detected_and_computes_in_float32(resnet_variables):

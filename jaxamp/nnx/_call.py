@@ -23,6 +23,7 @@ from jaxamp.nnx._plan import _base_class
 from jaxamp.nnx._variables import (_keep_dtype, _owned_variables, _read_as, _reads_as_compute,
                                    _set_attr)
 from jaxamp.policy import Policy
+from jaxamp.residuals import recompute_all
 from jaxamp.rules import resolve_policy
 
 
@@ -214,7 +215,8 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     updated[:] = [path for path, _ in new]
     return out, [value for _, value in new]
 
-  out, values = jax.checkpoint(run)(params, others, [leaves[i] for i in where])
+  out, values = jax.checkpoint(run, policy=recompute_all)(params, others,
+                                                          [leaves[i] for i in where])
   variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
   for path, value in zip(updated, values):
     variables[path].set_raw_value(value)

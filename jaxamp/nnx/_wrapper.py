@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp.census import float32_in_half_modules, module_matmuls, warn_float32_matmuls
 from jaxamp.nnx._call import (_Call, _SCOPE_ATTR, _POLICY_ATTR, _is_node, _methods_for,
@@ -75,10 +76,13 @@ class PolicyModule(nnx.Module):
       calls or scopes do not change it, eager or under ``jax.jit`` alike.
     recompute_norms: whether norms that compute wider than their inputs are recomputed
       in the backward pass (off by default).
+    half_residuals: whether a call under a transformation (``nnx.grad``, ``jax.jit``)
+      runs under :func:`jaxamp.half_residuals` when a module computes in half
+      precision (on by default).
   """
 
   def __init__(self, module: nnx.Module, policy: PolicyLike | None = None, *,
-               recompute_norms: bool = False):
+               recompute_norms: bool = False, half_residuals: bool = True):
     if not isinstance(module, nnx.Module):
       raise TypeError(f"with_policy expects a flax.nnx.Module, got {type(module).__name__}; "
                       "for Linen modules use jaxamp.linen.with_policy.")
@@ -87,14 +91,18 @@ class PolicyModule(nnx.Module):
     # in force at its trace and silently ignore a later set_global_policy.
     self.policy = global_policy() if policy is None else get_policy(policy)
     self.recompute_norms = bool(recompute_norms)
+    self.half_residuals = bool(half_residuals)
 
   def _model_policy(self) -> Policy:
     return self.policy
 
   def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    call = _Call(self._model_policy(), self.recompute_norms)
     if not _state.calls:  # an outermost call: check that the policy reaches the matmuls
       _check(self, name, args, kwargs)
-    return self._run(name, args, kwargs, _Call(self._model_policy(), self.recompute_norms))
+      if self.half_residuals:
+        return _with_half_residuals(self, name, args, kwargs, call)
+    return self._run(name, args, kwargs, call)
 
   def matmul_census(self, *args: Any, method: str = "__call__", **kwargs: Any
                     ) -> tuple[list[Any], list[str], dict[str, Policy]]:
@@ -115,8 +123,9 @@ class PolicyModule(nnx.Module):
     """
     return _census(self, method, args, kwargs)
 
-  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call) -> Any:
-    model = self.module
+  def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+           model: nnx.Module | None = None) -> Any:
+    model = self.module if model is None else model
     with _applied(model, call):
       if name in _methods_for(_base_class(type(model))):
         return getattr(model, name)(*args, **kwargs)
@@ -149,6 +158,39 @@ class PolicyModule(nnx.Module):
   def _view(self, value: Any) -> Any:
     """``value`` itself, or a view running under the policies if it is a submodule."""
     return _SubmoduleView(self, value) if isinstance(value, nnx.Module) else value
+
+
+def _with_half_residuals(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
+                         kwargs: dict[str, Any], call: _Call) -> Any:
+  """``wrapper._run(...)`` under :func:`jaxamp.half_residuals`, the model passed in as
+  its state and its new state (BatchNorm statistics, RNG counts, sown values) written
+  back; as it is where nothing is traced or nothing computes in half."""
+  model = wrapper.module
+  graphdef, state = nnx.split(model)
+  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, args, kwargs)))
+  if not traced or all(p.compute_dtype.itemsize >= 4 and p.fp8 is None
+                       for _, _, p in _resolve(model, call.policy)):
+    return wrapper._run(name, args, kwargs, call)
+
+  def run(state, args, kwargs):
+    copy = nnx.merge(graphdef, state)
+    out = wrapper._run(name, args, kwargs, call, model=copy)
+    return out, nnx.state(copy)
+
+  out, new_state = residuals_lib.half_residuals(run)(state, args, kwargs)
+  # Only what the call changed is written back (the values left alone come back as the
+  # very arrays passed in), so a model outside the trace is not touched; new Variables
+  # (sown values) are added.
+  old = dict(nnx.to_flat_state(state))  # the model's own Variable objects
+  added = []
+  for path, variable in nnx.to_flat_state(new_state):
+    if path not in old:
+      added.append((path, variable))
+    elif variable.get_raw_value() is not old[path].get_raw_value():
+      old[path].set_raw_value(variable.get_raw_value())
+  if added:
+    nnx.update(model, nnx.from_flat_state(added))
+  return out
 
 
 class _SubmoduleView:
@@ -192,7 +234,7 @@ class _SubmoduleView:
 
 
 def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
-                recompute_norms: bool = False) -> PolicyModule:
+                recompute_norms: bool = False, half_residuals: bool = True) -> PolicyModule:
   """Returns ``model`` wrapped to run every submodule under its resolved policy.
 
   Args:
@@ -202,10 +244,17 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
       global policy or scope is in force when it is called (eager or jitted).
     recompute_norms: recompute norms (``nnx.LayerNorm``, ``nnx.RMSNorm``,
       ``nnx.GroupNorm``, ``nnx.BatchNorm``) in the backward pass when they compute wider
-      than their inputs (the float32 default inside a half-precision model), so reverse
-      mode keeps their half-precision inputs instead of float32 intermediates. Saves
-      activation memory, costs time: off by default. Forward results are the same
-      either way.
+      than their inputs (the float32 default inside a half-precision model), statistics
+      included. ``half_residuals`` already keeps a norm's half-precision input and
+      statistics rather than its float32 intermediates; this matters only where it
+      steps aside (a model that rematerializes itself). Off by default. Forward results
+      are the same either way.
+    half_residuals: a call under a transformation (``nnx.grad``, ``jax.jit``) runs
+      under :func:`jaxamp.half_residuals` when some module computes in half precision:
+      reverse mode saves half-precision values and statistics and recomputes float32
+      elementwise work (float32 norms' insides, parameter casts) in the backward pass,
+      with the same gradients. On by default; False keeps what plain reverse mode
+      saves.
 
   Returns:
     A :class:`PolicyModule` sharing ``model``'s Variables: call it instead of ``model``.
@@ -220,7 +269,8 @@ def with_policy(model: nnx.Module, policy: PolicyLike | None = None, *,
     >>> amp(jnp.ones((1, 4))).dtype  # and keeps it outside the scope
     dtype(bfloat16)
   """
-  return PolicyModule(model, policy, recompute_norms=recompute_norms)
+  return PolicyModule(model, policy, recompute_norms=recompute_norms,
+                      half_residuals=half_residuals)
 
 
 def module_policies(model: nnx.Module, policy: PolicyLike | None = None

@@ -70,7 +70,8 @@ class NNXAdapter:
     if not train:
       model.eval()
     kind = Float32Outputs if float32_outputs else amp_nnx.PolicyModule
-    view = kind(model, policy, recompute_norms=self.recompute_norms)
+    # The step decides on half_residuals for the whole loss (train.gradients).
+    view = kind(model, policy, recompute_norms=self.recompute_norms, half_residuals=False)
     return view, lambda: nnx.split(model, nnx.Param, ...)[2]
 
   def model(self, state: TrainState) -> nnx.Module:
@@ -94,7 +95,8 @@ class LinenAdapter:
     # with its one policy.
     if self._wrapped is None or self._wrapped.policy != policy:
       self._wrapped = amp_linen.with_policy(self.module, policy,
-                                            recompute_norms=self.recompute_norms)
+                                            recompute_norms=self.recompute_norms,
+                                            half_residuals=False)  # the step decides
     wrapped = self._wrapped
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp.residuals import half_residuals
 from jaxamp.rules import asks_for_fp8, leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
@@ -44,8 +45,10 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
       used.update(scope.used if scope is not None else ())
     return loss * weight, (loss, aux, new_state())
 
-  raw_grad_fn = jax.grad(autocast_under_level(options, scaled_loss, batch_argnum=3),
-                         argnums=(0, 1), has_aux=True)
+  loss = autocast_under_level(options, scaled_loss, batch_argnum=3)
+  if plan.half_residuals:
+    loss = half_residuals(loss)
+  raw_grad_fn = jax.grad(loss, argnums=(0, 1), has_aux=True)
 
   def grad_fn(p, f8, ms, mb, key):
     (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)

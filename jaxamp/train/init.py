@@ -222,6 +222,15 @@ def _linen_census(options: Options, model: Any, variables: Any, example_args: tu
   return ops, modules
 
 
+def _computes_in_half(options: Options, rows: list[Any] | None) -> bool:
+  """Whether some module computes narrower than float32 (the model-level policy where
+  the modules are not known), or the opt level autocasts."""
+  if options.level is not None and options.level.autocast:
+    return True
+  policies = [p for _, _, p in rows] if rows else [options.policy]
+  return any(p.compute_dtype.itemsize < 4 or p.fp8 is not None for p in policies)
+
+
 def init(options: Options, model: Any, variables: Mapping[str, Any] | None = None,
          *example_args: Any, **example_kwargs: Any) -> tuple[TrainState, Plan]:
   """The first state for ``model`` and the plan of the step that trains it (the state
@@ -270,6 +279,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                      fp8=fp8_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
               master_weights=bool(master_weights), recompute_norms=recompute,
+              half_residuals=options.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
               fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                            if split.fp8_rows is not None else {}),

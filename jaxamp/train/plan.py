@@ -54,6 +54,7 @@ class Options:
   seed: int = 0
   level: Any = None
   recompute_norms: bool = False
+  half_residuals: bool = True
   param_sharding: Any = None
   warn_skipped_steps: int | None = 100
   skip_nonfinite: bool = True
@@ -94,6 +95,7 @@ class Options:
     object.__setattr__(self, "grad_reduce_dtype", np.dtype(dtype))
     object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
     object.__setattr__(self, "recompute_norms", bool(self.recompute_norms))
+    object.__setattr__(self, "half_residuals", bool(self.half_residuals))
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -116,6 +118,8 @@ class Plan:
     optimizer: the user's optimizer with a loss-scale element and the exact skip.
     master_weights: whether the optimizer updates float32 master weights.
     recompute_norms: whether norms are recomputed in the backward pass.
+    half_residuals: whether the loss is differentiated under
+      :func:`jaxamp.half_residuals` (asked for, and some module computes in half).
     unit_scale: the step inserted ``no_loss_scale()``: no multiply, no divide.
     overflow: the loss scale's rule for a skipped step, or None (the skip traces a
       second update told the gradients are not finite).
@@ -137,6 +141,7 @@ class Plan:
   optimizer: optax.GradientTransformation
   master_weights: bool
   recompute_norms: bool = False
+  half_residuals: bool = False
   unit_scale: bool = False
   overflow: Callable[[Any], Any] | None = None
   fp8_recipes: Mapping[str, Any] = dataclasses.field(default_factory=dict)

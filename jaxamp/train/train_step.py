@@ -354,6 +354,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
                     seed: int = 0, opt_level: Any = None,
                     recompute_norms: bool = False,
+                    half_residuals: bool = True,
                     param_sharding: Any = None,
                     warn_skipped_steps: int | None = 100,
                     skip_nonfinite: bool = True,
@@ -401,7 +402,14 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       float32 model. Not combinable with ``policy``.
     recompute_norms: recompute norms that compute wider than their inputs in the
       backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
-      time. Off by default.
+      time. Off by default; ``half_residuals`` already keeps a norm's half-precision
+      input and statistics rather than its float32 intermediates.
+    half_residuals: when the model computes in half precision, differentiate the loss
+      under :func:`jaxamp.half_residuals`: reverse mode saves half-precision values and
+      statistics (matmul, convolution and reduction results) and recomputes float32
+      elementwise work (float32 norms' insides, softmax islands, parameter casts) in
+      the backward pass, with the same gradients. On by default; False keeps what plain
+      reverse mode saves.
     param_sharding: shard the params, master weights and optimizer state over ``mesh``:
       :func:`jaxamp.fsdp` (each large param split over an axis), :func:`jaxamp.annotated`
       (the model's NNX/Linen partitioning annotations, with logical axis rules), or a
@@ -457,6 +465,6 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       grad_reduce_dtype=grad_reduce_dtype, master_weights=master_weights,
       float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
       seed=seed, level=level, recompute_norms=recompute_norms,
-      param_sharding=param_sharding, warn_skipped_steps=warn_skipped_steps,
-      skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction,
+      half_residuals=half_residuals, param_sharding=param_sharding,
+      warn_skipped_steps=warn_skipped_steps, skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction,
       compiler_options=compiler_options))

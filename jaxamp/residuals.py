@@ -1,0 +1,220 @@
+"""What reverse mode keeps for the backward pass: half-precision values and statistics.
+
+Under a mixed policy, norms and other precision-sensitive pieces compute in float32 on
+half-precision inputs. Left to itself, reverse mode then saves their float32
+intermediates (the upcast input, the normalised values) and the half-precision copy of
+every parameter, and a half-precision conv net can keep *more* for its backward pass
+than the float32 one. Fused norm kernels (cuDNN's, torch's) save the half-precision
+input and the float32 per-channel statistics instead, and recompute the elementwise
+normalisation in the backward pass.
+
+:func:`half_residuals` gets the same for any function, third-party norms included,
+without knowing their mathematics: it runs the function under ``jax.checkpoint`` with
+the policy :func:`save_half_and_statistics`, which saves what matmuls, convolutions,
+reductions and half-precision elementwise operations produce, and recomputes what
+cheap elementwise and layout operations make from float32 values and every dtype cast
+(a parameter's half copy is recast from the float32 parameter). The recomputation is
+the same arithmetic on the same values, so the gradients are the ones reverse mode
+computes without it (bit for bit where the compiler keeps no excess precision: XLA may
+skip a float32 -> bfloat16 -> float32 round trip in one program and not the other).
+
+The train step (``make_train_step``) and ``jaxamp.linen.with_policy`` apply it to every
+model that computes in half precision; wrap your own loss with it otherwise:
+
+  >>> import jax, jax.numpy as jnp, jaxamp
+  >>> def loss(w, x):  # a float32 layer norm on a bfloat16 matmul's output
+  ...   h = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+  ...   h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+  ...   return jnp.sum(jnp.tanh(h))
+  >>> w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
+  >>> g = jax.grad(jaxamp.half_residuals(loss))(w, x)
+  >>> bool(jnp.allclose(g, jax.grad(loss)(w, x), atol=1e-6))
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jax_core
+import numpy as np
+
+from jaxamp import casting
+
+__all__ = ["half_residuals", "recompute_all", "save_half_and_statistics"]
+
+# Elementwise and layout primitives: recomputing one costs a pass over memory the
+# backward pass makes anyway. Matmuls, convolutions, reductions, scatters, sorts,
+# collectives and control flow are not here: what they produce is saved.
+_RECOMPUTABLE = frozenset("""
+    add sub mul div rem neg abs sign max min pow integer_pow square sqrt rsqrt cbrt
+    exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv sin cos tan atan2 sinh cosh
+    floor ceil round nextafter clamp select_n is_finite eq ne lt le gt ge and or not
+    reduce_precision real imag conj
+    broadcast_in_dim reshape transpose squeeze expand_dims rev pad concatenate slice
+    dynamic_slice gather copy copy_p
+""".split())
+
+
+def _wide(aval: Any) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  return (dtype is not None and np.issubdtype(dtype, np.floating)
+          and np.dtype(dtype).itemsize >= 4)
+
+
+def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
+  """A ``jax.checkpoint`` policy: whether reverse mode may save ``prim``'s outputs.
+
+  Not saved (recomputed in the backward pass): dtype casts, and elementwise or layout
+  operations (or ``custom_jvp`` functions without a matmul: ``relu``, ``gelu``) with a
+  float32 (or wider) operand. Saved: everything else, so matmuls,
+  convolutions, reductions (a norm's statistics) and half-precision elementwise
+  results.
+
+  Args:
+    prim: the primitive.
+    *avals: its operands' abstract values.
+    **params: its parameters.
+
+  Returns:
+    True if its outputs may be saved.
+  """
+  if prim.name == "convert_element_type":
+    return False
+  if prim.name in _RECOMPUTABLE or (prim.name in _CUSTOM_JVP
+                                    and not _multiplies(params.get("call_jaxpr"))):
+    # A custom_jvp function (relu, gelu, softplus) counts as what it computes.
+    return not any(_wide(a) for a in avals)
+  return True
+
+
+_CUSTOM_JVP = frozenset({"custom_jvp_call"})
+_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+
+
+def _multiplies(jaxpr: Any) -> bool:
+  """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr; None: unknown) holds a matmul or
+  convolution, at any depth."""
+  if jaxpr is None:
+    return True
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return any(eqn.primitive.name in _MATMULS for eqn in jaxpr.eqns) or any(
+      _multiplies(sub) for sub in jax_core.subjaxprs(jaxpr))
+
+
+def recompute_all(prim: Any, *avals: Any, **params: Any) -> bool:
+  """A ``jax.checkpoint`` policy saving nothing: the one ``recompute_norms`` runs norms
+  under. :func:`half_residuals` knows it, and its own policy takes over (a norm's
+  statistics are then saved, not recomputed)."""
+  del prim, avals, params
+  return False
+
+
+def _rematerializes(jaxpr: Any) -> bool:
+  """Whether ``jaxpr`` holds a ``jax.checkpoint`` (at any depth) other than jaxamp's
+  recomputed norms."""
+  return any(eqn.primitive.name in _REMAT and eqn.params.get("policy") is not recompute_all
+             for eqn in jaxpr.eqns) or any(
+                 _rematerializes(sub) for sub in jax_core.subjaxprs(jaxpr))
+
+
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def _narrow_reads_seen(jaxpr: Any, outer: list[Any], reads: dict[int, np.dtype]) -> list[Any]:
+  """``outer``, each argument read once in half precision and used nowhere else
+  (:func:`jaxamp.casting.read_as` inside a train step) marked so that the skip can still
+  hold its gradient as the narrow cotangent it is (``casting.narrow_at_boundary``)."""
+  if not reads:
+    return outer
+  uses: dict[int, int] = {}  # by id: Literals are not hashable
+  for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
+    uses[id(v)] = uses.get(id(v), 0) + 1
+  return [casting.narrow_at_boundary(x, reads[j])
+          if j in reads and uses.get(id(jaxpr.invars[j]), 0) == 1 else x
+          for j, x in enumerate(outer)]
+
+
+class _Active(threading.local):
+  depth = 0
+
+
+_active = _Active()
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def half_residuals(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` under ``jax.checkpoint`` with :func:`save_half_and_statistics`.
+
+  Arguments and results may be any pytrees: their arrays go through the checkpoint,
+  other leaves (flags, names, Python numbers) are passed as they are. Inside another
+  ``half_residuals`` call it is ``fn`` itself (the outer one already applies). A
+  function that rematerializes parts of itself (``jax.checkpoint``, ``nn.remat``,
+  ``nnx.remat``, at any depth) runs as it is: an outer checkpoint's policy would
+  override those of the checkpoints inside it.
+
+  Args:
+    fn: the function; a forward pass, or a loss.
+
+  Returns:
+    A function of the same arguments returning the same results, whose derivatives
+    save half-precision values and statistics rather than float32 intermediates.
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    if _active.depth:
+      return fn(*args, **kwargs)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if _is_array(x)]
+    results: list[Any] = []  # (treedef, leaves, array positions) of fn's results
+
+    def inner(arrays):
+      full = list(leaves)
+      for i, x in zip(where, arrays):
+        full[i] = x
+      a, k = jax.tree.unflatten(treedef, full)
+      _active.depth += 1
+      try:
+        out = fn(*a, **k)
+      finally:
+        _active.depth -= 1
+      found = casting.recording()
+      reads = {} if found is None else {
+          j: dtype for j, x in enumerate(arrays) if (dtype := found.read_once(x)) is not None}
+      out_leaves, out_def = jax.tree.flatten(out)
+      # A result that is an argument itself (state a call left alone) is handed back as
+      # that argument, not as a copy: callers tell changed state by identity.
+      passed = {id(x): j for j, x in enumerate(arrays)}
+      same = {i: passed[id(x)] for i, x in enumerate(out_leaves) if id(x) in passed}
+      keep = [i for i, x in enumerate(out_leaves) if _is_array(x) and i not in same]
+      results[:] = [out_def, out_leaves, keep, same, reads]
+      return [out_leaves[i] for i in keep]
+
+    outer = [leaves[i] for i in where]
+    # Traced once; the checkpoint then runs the traced program, not fn again.
+    closed = jax.make_jaxpr(inner)(outer)
+    out_def, out_leaves, keep, same, reads = results
+    run = lambda arrays: jax_core.jaxpr_as_fun(closed)(*arrays)
+    inputs = outer
+    if not _rematerializes(closed.jaxpr):
+      # An outer checkpoint's policy overrides those of the checkpoints inside it: a
+      # function that rematerializes itself (nn.remat, jax.checkpoint) keeps its own.
+      run = jax.checkpoint(run, policy=save_half_and_statistics)
+      inputs = _narrow_reads_seen(closed.jaxpr, outer, reads)
+    arrays = run(inputs)
+    full = list(out_leaves)
+    for i, x in zip(keep, arrays):
+      full[i] = x
+    for i, j in same.items():
+      full[i] = outer[j]
+    return jax.tree.unflatten(out_def, full)
+
+  return wrapped
