@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
@@ -160,17 +162,42 @@ class PolicyModule(nnx.Module):
     return _SubmoduleView(self, value) if isinstance(value, nnx.Module) else value
 
 
+class _EagerTrace(threading.local):
+  state: Any = None  # jax's opaque trace state outside every transformation
+
+
+_eager = _EagerTrace()
+
+
+def _traced(model: nnx.Module, args: Any, kwargs: Any) -> bool:
+  """Whether a call runs under a transformation (there is a backward pass to save for).
+
+  An eager call costs no walk of the model: once a call of this thread has found the
+  model's values concrete, the trace state it ran in stands for "eager"."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+    return True
+  now = jax_core.get_opaque_trace_state(convention="nnx")
+  if _eager.state is not None:
+    return now != _eager.state
+  traced = any(isinstance(node, nnx.Variable)
+               and isinstance(node.get_raw_value(), jax.core.Tracer)
+               for _, node in nnx.iter_graph(model))
+  if not traced:
+    _eager.state = now
+  return traced
+
+
 def _with_half_residuals(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
                          kwargs: dict[str, Any], call: _Call) -> Any:
   """``wrapper._run(...)`` under :func:`jaxamp.half_residuals`, the model passed in as
   its state and its new state (BatchNorm statistics, RNG counts, sown values) written
   back; as it is where nothing is traced or nothing computes in half."""
   model = wrapper.module
-  graphdef, state = nnx.split(model)
-  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, args, kwargs)))
-  if not traced or all(p.compute_dtype.itemsize >= 4 and p.fp8 is None
-                       for _, _, p in _resolve(model, call.policy)):
+  if not _traced(model, args, kwargs) or all(
+      p.compute_dtype.itemsize >= 4 and p.fp8 is None
+      for _, _, p in _resolve(model, call.policy)):
     return wrapper._run(name, args, kwargs, call)
+  graphdef, state = nnx.split(model)
 
   def run(state, args, kwargs):
     copy = nnx.merge(graphdef, state)
