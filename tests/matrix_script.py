@@ -29,6 +29,7 @@ FACTORS = {
     "accum": [1, 2],
     "state": ["none", "batchnorm", "counters"],
     "fault": ["none", "inf on one device"],
+    "residuals": ["half", "plain"],  # make_train_step's half_residuals on (default), off
 }
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
@@ -181,7 +182,8 @@ def made(row, mesh):
   kw = layout_kwargs(row["layout"], mesh) if mesh is not None else {}
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=row["policy"],
                                  grad_accum_steps=row["accum"],
-                                 model_state_reduction=REDUCTION, **kw)
+                                 model_state_reduction=REDUCTION,
+                                 half_residuals=row["residuals"] == "half", **kw)
   if row["model"] == "equinox":
     state = train.init(equinox_net(row["state"]))
   elif row["model"] == "nnx":
@@ -247,7 +249,7 @@ def largest(a_tree, b_tree, relative=False):
 
 
 def compare(row, mesh, references):
-  key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault"))
+  key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals"))
   try:
     if key not in references:
       references[key] = run(row, None)
