@@ -169,3 +169,25 @@ def test_nnx_with_policy_keeps_state_updates_and_sown_values_under_grad():
   features = nnx.pop(model, nnx.Intermediate)
   assert jax.tree.leaves(features)[0].shape == (4, 8)
   assert jax.tree.leaves(grads)[0].dtype == F32
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_a_linen_module_inside_an_nnx_model_follows_the_nnx_wrappers_choice(half):
+  # Flax's bridge runs the Linen module through jaxamp.linen.with_policy; half_residuals
+  # is the NNX wrapper's to apply (the train step's, inside a step), once, for the call.
+  x = jnp.ones((4, 8))
+  model = nnx.bridge.lazy_init(nnx.bridge.ToNNX(_LinenNorm(), rngs=nnx.Rngs(0)), x)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p):  # Variables rebuilt at this trace level: the bridge counts its RNG calls
+    m = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
+    amp = jaxamp.nnx.with_policy(m, "mixed_bfloat16", half_residuals=half)
+    return jnp.sum(amp(x).astype(F32) ** 2)
+
+  assert _remats(loss, params) == int(half)
+
+
+class _LinenNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(nn.LayerNorm()(nn.Dense(8)(x)))

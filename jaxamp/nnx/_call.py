@@ -251,8 +251,11 @@ def _linen_under(module: Any, policy: Policy, recompute_norms: bool) -> _LinenUn
   if found is None or found.module is not module:
     if len(_linen_wrappers) >= _LINEN_WRAPPERS_SIZE:
       _linen_wrappers.clear()
+    # half_residuals is the NNX wrapper's (or the train step's) to apply, for the whole
+    # call: a Linen module inside runs as it is told.
     found = _linen_wrappers[key] = _LinenUnderPolicy(
-        module, amp_linen.with_policy(module, policy, recompute_norms=recompute_norms))
+        module, amp_linen.with_policy(module, policy, recompute_norms=recompute_norms,
+                                      half_residuals=False))
   return found
 
 
