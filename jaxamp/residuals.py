@@ -58,6 +58,9 @@ _RECOMPUTABLE = frozenset("""
     broadcast_in_dim reshape transpose squeeze expand_dims rev pad concatenate slice
     dynamic_slice gather copy copy_p
 """.split())
+_CUSTOM_JVP = frozenset({"custom_jvp_call"})
+_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})  # jax.checkpoint's primitive
 
 
 def _wide(aval: Any) -> bool:
@@ -92,10 +95,6 @@ def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
   return True
 
 
-_CUSTOM_JVP = frozenset({"custom_jvp_call"})
-_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
-
-
 def _multiplies(jaxpr: Any) -> bool:
   """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr; None: unknown) holds a matmul or
   convolution, at any depth."""
@@ -120,9 +119,6 @@ def _rematerializes(jaxpr: Any) -> bool:
   return any(eqn.primitive.name in _REMAT and eqn.params.get("policy") is not recompute_all
              for eqn in jaxpr.eqns) or any(
                  _rematerializes(sub) for sub in jax_core.subjaxprs(jaxpr))
-
-
-_REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 
 def _narrow_reads_seen(jaxpr: Any, outer: list[Any], reads: dict[int, np.dtype]) -> list[Any]:
@@ -174,7 +170,9 @@ def half_residuals(fn: Callable[..., Any]) -> Callable[..., Any]:
       return fn(*args, **kwargs)
     leaves, treedef = jax.tree.flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if _is_array(x)]
-    results: list[Any] = []  # (treedef, leaves, array positions) of fn's results
+    # fn's results' treedef and leaves, the positions of those returned through the
+    # checkpoint, of those that are arguments, and the arguments read once in half.
+    results: list[Any] = []
 
     def inner(arrays):
       full = list(leaves)
