@@ -258,7 +258,7 @@ def _boundary_fwd(x: jax.Array, narrow: np.dtype) -> tuple[jax.Array, None]:
 
 
 def _boundary_bwd(narrow: np.dtype, _: None, ct: jax.Array) -> tuple[jax.Array]:
-  found = getattr(_active, "found", None)
+  found = recording()
   if found is not None:
     # Exact: ct is a narrow value widened. XLA folds the round trip.
     found.record(ct, jax.lax.convert_element_type(ct, narrow))

@@ -628,8 +628,8 @@ class LinenPolicy:
       out, state = result
       return out, _restore(state, cast, variables)
 
-    if scopes is None and self.half_residuals and any(
-        p.compute_dtype.itemsize < 4 for p in policies.values()):
+    if (scopes is None and self.half_residuals
+        and residuals_lib.computes_in_half(policies.values())):
       run = residuals_lib.half_residuals(run)
     return run(variables, args, kwargs)
 

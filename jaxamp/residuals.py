@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxamp import casting
 
-__all__ = ["half_residuals", "recompute_all", "save_half_and_statistics"]
+__all__ = ["computes_in_half", "half_residuals", "recompute_all", "save_half_and_statistics"]
 
 # Elementwise and layout primitives: recomputing one costs a pass over memory the
 # backward pass makes anyway. Matmuls, convolutions, reductions, scatters, sorts,
@@ -133,6 +133,13 @@ def _narrow_reads_seen(jaxpr: Any, outer: list[Any], reads: dict[int, np.dtype])
   return [casting.narrow_at_boundary(x, reads[j])
           if j in reads and uses.get(id(jaxpr.invars[j]), 0) == 1 else x
           for j, x in enumerate(outer)]
+
+
+def computes_in_half(policies: Iterable[Any]) -> bool:
+  """Whether any of ``policies`` computes narrower than float32 (FP8 included): where
+  :func:`half_residuals` has something to save, and the wrappers and the train step
+  apply it."""
+  return any(p.compute_dtype.itemsize < 4 or p.fp8 is not None for p in policies)
 
 
 class _Active(threading.local):

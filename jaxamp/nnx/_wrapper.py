@@ -193,9 +193,8 @@ def _with_half_residuals(wrapper: PolicyModule, name: str, args: tuple[Any, ...]
   its state and its new state (BatchNorm statistics, RNG counts, sown values) written
   back; as it is where nothing is traced or nothing computes in half."""
   model = wrapper.module
-  if not _traced(model, args, kwargs) or all(
-      p.compute_dtype.itemsize >= 4 and p.fp8 is None
-      for _, _, p in _resolve(model, call.policy)):
+  if not _traced(model, args, kwargs) or not residuals_lib.computes_in_half(
+      p for _, _, p in _resolve(model, call.policy)):
     return wrapper._run(name, args, kwargs, call)
   graphdef, state = nnx.split(model)
 

@@ -22,6 +22,7 @@ from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
 from jaxamp import linen as amp_linen
 from jaxamp import nnx as amp_nnx
+from jaxamp import residuals as residuals_lib
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
@@ -227,8 +228,7 @@ def _computes_in_half(options: Options, rows: list[Any] | None) -> bool:
   the modules are not known), or the opt level autocasts."""
   if options.level is not None and options.level.autocast:
     return True
-  policies = [p for _, _, p in rows] if rows else [options.policy]
-  return any(p.compute_dtype.itemsize < 4 or p.fp8 is not None for p in policies)
+  return residuals_lib.computes_in_half([p for _, _, p in rows] if rows else [options.policy])
 
 
 def init(options: Options, model: Any, variables: Mapping[str, Any] | None = None,

@@ -466,5 +466,5 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
       seed=seed, level=level, recompute_norms=recompute_norms,
       half_residuals=half_residuals, param_sharding=param_sharding,
-      warn_skipped_steps=warn_skipped_steps, skip_nonfinite=skip_nonfinite, model_state_reduction=model_state_reduction,
-      compiler_options=compiler_options))
+      warn_skipped_steps=warn_skipped_steps, skip_nonfinite=skip_nonfinite,
+      model_state_reduction=model_state_reduction, compiler_options=compiler_options))
