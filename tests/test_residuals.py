@@ -23,8 +23,11 @@ def _aval(shape, dtype):
 
 
 @pytest.mark.parametrize("prim, dtypes, saved", [
-    (jax.lax.convert_element_type_p, [F32], False),  # a parameter's half copy
-    (jax.lax.convert_element_type_p, [BF16], False),  # a norm's upcast input
+    (jax.lax.convert_element_type_p, [F32, BF16], False),  # a parameter's half copy
+    (jax.lax.convert_element_type_p, [BF16, F32], False),  # a norm's upcast input
+    # ... but a float16 value's upcast is saved (XLA:CPU's compile time), not its downcast
+    (jax.lax.convert_element_type_p, [jnp.float16, F32], True),
+    (jax.lax.convert_element_type_p, [F32, jnp.float16], False),
     (jax.lax.mul_p, [F32, F32], False),  # a float32 norm's insides
     (jax.lax.rsqrt_p, [F32], False),
     (jax.lax.mul_p, [BF16, BF16], True),  # half-precision values
@@ -34,8 +37,11 @@ def _aval(shape, dtype):
     (jax.lax.add_p, [jnp.int32, jnp.int32], True),
 ])
 def test_the_policy_saves_half_values_and_statistics(prim, dtypes, saved):
+  params = {}
+  if prim is jax.lax.convert_element_type_p:  # [operand's dtype, the new one]
+    dtypes, params = dtypes[:1], {"new_dtype": np.dtype(dtypes[1])}
   avals = [_aval((4, 4), d) for d in dtypes]
-  assert save_half_and_statistics(prim, *avals) is saved
+  assert save_half_and_statistics(prim, *avals, **params) is saved
 
 
 def _norm_net(w, x):
