@@ -12,6 +12,9 @@ For reference, in the same rounds:
 - the hand-written step carrying what jaxamp's state carries and returning its metrics
   (a step count, the loss-scale counters, a PRNG key, the exact skip under
   ``lax.cond``, loss, scale, finiteness, gradient norm, skip count);
+- the same step with that state's counters, step and key packed into one ``uint32``
+  array and the metrics into another (bit casts inside the program): what a state and
+  metrics format with fewer arrays would cost per call;
 - ``train.step`` on a state it did not return (``state._replace()`` each call: the
   user's own TrainState), which takes the state check;
 - ``lax.scan`` over ``train.step_fn`` and over the hand-written step: ``--calls`` steps
@@ -51,10 +54,11 @@ from benchmarks.measure import Measurement, _order  # pylint: disable=g-import-n
 
 POLICIES = ("float32", "mixed_bfloat16")
 LIMIT = 1.20  # issue 32: train.step / the plain jitted step
-F32 = jnp.float32
-JAXAMP, STEP_FN, PLAIN, SAME, REWRAPPED = (
+F32, U32 = jnp.float32, jnp.uint32
+JAXAMP, STEP_FN, PLAIN, SAME, PACKED, REWRAPPED = (
     "jaxamp train.step", "jax.jit(train.step_fn)", "plain jax.jit step",
-    "plain, jaxamp's state and metrics", "train.step, a state it did not return")
+    "plain, jaxamp's state and metrics", "plain, the same packed in two arrays",
+    "train.step, a state it did not return")
 SCAN_JAXAMP, SCAN_PLAIN = "lax.scan(train.step_fn), per step", "lax.scan(plain step), per step"
 
 
@@ -77,8 +81,8 @@ def linear(dtype: Any = None) -> nnx.Linear:
 
 
 def plain_steps(policy: str) -> tuple[Callable[..., Any], Callable[..., Any], Any, Any]:
-  """The hand-written step, the same step with jaxamp's state and metrics, and their
-  first states (float32 parameters; bfloat16 compute set on the layer by hand)."""
+  """The hand-written step, the same step with jaxamp's state and metrics, that one
+  packed, and their first states (float32 parameters; bfloat16 compute set on the layer by hand)."""
   graphdef, params = nnx.split(linear(jnp.bfloat16 if policy == "mixed_bfloat16" else None))
   opt = optax.sgd(0.1)
 
@@ -108,11 +112,25 @@ def plain_steps(policy: str) -> tuple[Callable[..., Any], Callable[..., Any], An
                "skipped_steps": skipped}
     return (kept, counters, count + 1, key), metrics
 
+  words = lambda *xs: jnp.stack([
+      x.astype(U32) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, U32)
+      for x in xs])
+
+  def packed(state, x):
+    kept, w = state
+    as_ = lambda i, dtype: jax.lax.bitcast_convert_type(w[i], dtype)
+    counters = (as_(0, F32), as_(1, jnp.int32), w[2] != 0, as_(3, jnp.int32))
+    key = jax.random.wrap_key_data(w[5:7])
+    (kept, counters, count, key), m = same_outputs((kept, counters, as_(4, jnp.int32), key), x)
+    return (kept, jnp.concatenate([words(*counters, count), jax.random.key_data(key)])), words(
+        *m.values())
+
   copy = lambda: jax.tree.map(jnp.copy, (params, opt.init(params)))
   counters = (jnp.ones([], F32), jnp.zeros([], jnp.int32), jnp.asarray(True),
               jnp.zeros([], jnp.int32))
-  return step, same_outputs, copy(), (copy(), counters, jnp.zeros([], jnp.int32),
-                                      jax.random.key(0))
+  key, count = jax.random.key(0), jnp.zeros([], jnp.int32)
+  packed_state = (copy(), jnp.concatenate([words(*counters, count), jax.random.key_data(key)]))
+  return step, same_outputs, packed, copy(), (copy(), counters, count, key), packed_state
 
 
 def arrays(state: Any, batch: Any, out: Any) -> tuple[int, int]:
@@ -126,9 +144,10 @@ def candidates(policy: str, calls: int) -> list[Candidate]:
   make = lambda: jaxamp.make_train_step(loss_of, optax.sgd(0.1), policy=policy)
   trains = [make() for _ in range(4)]
   states = [t.init(linear()) for t in trains]
-  step, same, plain_state, same_state = plain_steps(policy)
+  step, same, packed, plain_state, same_state, packed_state = plain_steps(policy)
   plain_jit = jax.jit(step, donate_argnums=0)
   same_jit = jax.jit(same, donate_argnums=0)
+  packed_jit = jax.jit(packed, donate_argnums=0)
   step_fn_jit = jax.jit(trains[1].step_fn, donate_argnums=0)
   rewrapped = trains[2]
 
@@ -144,9 +163,10 @@ def candidates(policy: str, calls: int) -> list[Candidate]:
       counted(PLAIN, plain_jit, plain_state, x),
       counted(STEP_FN, step_fn_jit, states[1], x),
       counted(SAME, same_jit, same_state, x),
+      counted(PACKED, packed_jit, packed_state, x),
       counted(REWRAPPED, lambda s, b: rewrapped.step(s._replace(), b), states[2], x),
       counted(SCAN_JAXAMP, scan(trains[3].step_fn), states[3], xs, calls),
-      counted(SCAN_PLAIN, scan(step), plain_steps(policy)[2], xs, calls),
+      counted(SCAN_PLAIN, scan(step), plain_steps(policy)[3], xs, calls),
   ]
 
 
@@ -185,7 +205,7 @@ def same_training(policy: str, steps: int = 5) -> float:
   ``steps`` steps from the same parameters: the two do the same training."""
   train = jaxamp.make_train_step(loss_of, optax.sgd(0.1), policy=policy)
   state = train.init(linear())
-  step, _, plain_state, _ = plain_steps(policy)
+  step, _, _, plain_state, _, _ = plain_steps(policy)
   x = jax.random.normal(jax.random.key(1), (4, 8), F32)
   for _ in range(steps):
     state, _ = train.step(state, x)
@@ -255,19 +275,24 @@ def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
         f"≤ {LIMIT:.2f} target); `train.step` / `jax.jit(train.step_fn)` "
         f"{r['train_step_over_step_fn'][0]:.2f}; the plain step carrying jaxamp's state and "
         f"metrics / plain "
-        f"{c[SAME]['ratio_to_plain'][0]:.2f}; `train.step` / that step "
+        f"{c[SAME]['ratio_to_plain'][0]:.2f}, with them packed in two arrays "
+        f"{c[PACKED]['ratio_to_plain'][0]:.2f}; `train.step` / that step "
         f"{r['train_step_over_same'][0]:.2f}. A scan step costs "
         f"{_us(c[SCAN_JAXAMP]['step_s'])} µs (jaxamp) and {_us(c[SCAN_PLAIN]['step_s'])} µs "
         f"(plain). Largest parameter difference from the plain step after 5 steps: "
         f"{r['param_difference']:.1e}.")
   own = max(r["train_step_over_step_fn"][0] for r in results.values())
   same = min(r["candidates"][SAME]["ratio_to_plain"][0] for r in results.values())
+  packed = max(r["candidates"][PACKED]["ratio_to_plain"][0] for r in results.values())
   lines += ["", f"`train.step` over `jax.jit(train.step_fn)` is at most {own:.2f} here: that is "
             "what its Python adds per call (the state check, skipped for the state it "
             "returned or one laid out alike; the batch layout; the skip-streak counter). The "
             f"plain step carrying jaxamp's state and metrics is at least {same:.2f}× the plain "
             "one: the arrays that cross the jit boundary each call cost that, whoever writes "
-            "the step. Where dispatch is the cost, run several steps per call: `lax.scan` "
+            f"the step; packed into two arrays (counters, step and key; metrics), the same "
+            f"work costs at most {packed:.2f}×, what a state and metrics format with fewer "
+            "arrays would bring `train.step` (jaxamp's keeps named fields: "
+            "`TrainState.step`, the loss-scale state's counters, a metrics dict). Where dispatch is the cost, run several steps per call: `lax.scan` "
             "over `train.step_fn` in your own `jax.jit` (docs/guides/train_step.md, \"Your "
             "own jit or scan\")."]
   (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
