@@ -159,6 +159,32 @@ class GPT(nnx.Module):
     return self.head(self.ln(x))
 
 
+class ScanGPT(nnx.Module):
+  """:class:`GPT` with its blocks stacked (``nnx.vmap``) and run by ``nnx.scan``: one
+  block's program, its parameters and optimizer state with a leading layer axis."""
+
+  def __init__(self, cfg: LMConfig, *, dtype: Dtype = None, rngs: nnx.Rngs):
+    self.tok = nnx.Embed(cfg.vocab, cfg.dim, dtype=dtype, rngs=rngs)
+    self.pos = nnx.Embed(cfg.seq_len, cfg.dim, dtype=dtype, rngs=rngs)
+
+    @nnx.split_rngs(splits=cfg.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs: nnx.Rngs) -> Block:
+      return Block(cfg.dim, cfg.heads, dtype=dtype, rngs=rngs)
+
+    self.blocks = blocks(rngs)
+    self.ln = nnx.LayerNorm(cfg.dim, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x: jax.Array, block: Block) -> jax.Array:
+      return block(x)
+
+    x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))
+    return self.head(self.ln(run(x, self.blocks)))
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean softmax cross-entropy over the last axis, in float32 whatever the logits' dtype."""
   logits = logits.astype(jnp.float32)

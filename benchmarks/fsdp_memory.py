@@ -1,0 +1,212 @@
+"""Per-device memory of a sharded train step as the model deepens (issue 33's baseline).
+
+Two transformer LMs (:data:`CONFIGS`: the CPU benchmark LM, whose activations outweigh
+its parameters, and a wider one on short sequences, whose parameters outweigh its
+activations), each as :class:`benchmarks.models.GPT` (unrolled) and
+:class:`benchmarks.models.ScanGPT` (blocks stacked and run by ``nnx.scan``), at several
+depths, trained under ``mixed_bfloat16`` with Adam on a mesh of 8 devices, data
+parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp')``). Nothing
+runs: each step is lowered and compiled, and per device it reads
+
+- XLA's ``memory_analysis()`` of the compiled step: arguments, outputs, temporaries and
+  the donated (aliased) bytes; **peak** is arguments + outputs + temporaries − aliased,
+  what the step needs at once where the backend reports no peak of its own (XLA:CPU);
+- the all-gathers of the lowered program (what jaxamp asked for, before XLA's passes),
+  their number and dtypes;
+- one block's parameters, gathered (in the dtype the step gathers them in), and the
+  whole model's: what a step that gathers the whole model at its start holds at once.
+
+**growth / layer** is the peak's increase per added layer between the two largest depths;
+a step that gathers each layer's parameters when it runs grows by about one layer's
+gathered parameters plus its activations per layer, one that gathers the whole model by
+a layer's gathered parameters more. On CPU, fake the devices (the script does, unless
+``XLA_FLAGS`` already sets a count)::
+
+    python benchmarks/fsdp_memory.py --out benchmarks/fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import optax  # pylint: disable=g-import-not-at-top
+from flax import nnx  # pylint: disable=g-import-not-at-top
+
+import jaxamp  # pylint: disable=g-import-not-at-top
+from benchmarks import models, report  # pylint: disable=g-import-not-at-top
+from jaxamp.sharding import collectives  # pylint: disable=g-import-not-at-top
+
+POLICY = "mixed_bfloat16"
+# The CPU benchmark LM, whose activations outweigh its parameters, and a wider one with
+# short sequences, whose parameters outweigh its activations (FSDP's use case).
+CONFIGS = {
+    "benchmark LM": models.LMConfig(vocab=256, dim=128, heads=4, layers=2, seq_len=128,
+                                    batch=8),
+    "wide LM": models.LMConfig(vocab=256, dim=512, heads=8, layers=2, seq_len=32, batch=8),
+}
+SMOKE = {"smoke LM": models.LMConfig(64, 32, 2, 1, 16, 8)}
+DEVICES = 8
+LAYOUTS = ("data parallel", "fsdp")
+KINDS = {"unrolled": models.GPT, "scan-stacked": models.ScanGPT}
+
+
+def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
+  kw = {"param_sharding": jaxamp.fsdp("fsdp")} if layout == "fsdp" else {}
+  return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
+                                batch_axis="fsdp", **kw)
+
+
+def _gathered_bytes(train: Any, params: Any) -> int | None:
+  """The params' bytes in the dtypes the step gathers them in (float32 where a float32
+  rule owns them, the compute dtype otherwise); None for a step that gathers none."""
+  if train.plan.gather_dtypes is None:
+    return None
+  return sum(int(np.prod(x.shape)) * np.dtype(d).itemsize
+             for x, d in zip(jax.tree.leaves(params), train.plan.gather_dtypes))
+
+
+def _block_elements(model: Any, kind: str, layers: int) -> float:
+  """The parameter elements of one block."""
+  count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+  if kind == "scan-stacked":
+    return count(nnx.state(model.blocks, nnx.Param)) / layers
+  return count(nnx.state(model.blocks[0], nnx.Param))
+
+
+def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
+            cfg: models.LMConfig) -> dict[str, Any]:
+  cfg = models.LMConfig(cfg.vocab, cfg.dim, cfg.heads, layers, cfg.seq_len, cfg.batch)
+  model = KINDS[kind](cfg, rngs=nnx.Rngs(0))
+  train = _step(layout, mesh)
+  state = train.init(model)
+  batch = models.lm_batch(cfg)
+  start = time.perf_counter()
+  lowered = train.lower(state, batch)
+  mem = lowered.compile().memory_analysis()
+  gathers = [c for c in collectives(lowered.as_text()) if c.op == "all-gather"]
+  whole = _gathered_bytes(train, state.params)
+  block = _block_elements(model, kind, layers)
+  total = sum(x.size for x in jax.tree.leaves(state.params))
+  row = {
+      "kind": kind, "layers": layers, "layout": layout,
+      "args": mem.argument_size_in_bytes, "out": mem.output_size_in_bytes,
+      "temp": mem.temp_size_in_bytes, "alias": mem.alias_size_in_bytes,
+      "all_gathers": len(gathers),
+      "gather_dtypes": dict(collections.Counter(c.dtype for c in gathers)),
+      "gathered_model": whole,
+      "gathered_block": None if whole is None else whole * block / total,
+      "block_grad_f32": 4 * block,
+      "seconds": time.perf_counter() - start,
+  }
+  row["peak"] = row["args"] + row["out"] + row["temp"] - row["alias"]
+  return row
+
+
+def _mib(b: float | None) -> str:
+  return "—" if b is None else f"{b / 2**20:.2f}"
+
+
+def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
+             configs: dict[str, models.LMConfig]) -> str:
+  lines = [
+      "# Sharded train step: per-device memory as the model deepens (issue 33)", "",
+      f"Measured {info['date']} on {info['cpu']} ({info['cpu_cores']} cores, "
+      f"{info['backend']} × {info['device_count']}), jax {info['versions']['jax']}, flax "
+      f"{info['versions']['flax']}, git {info['git']}: `{info['command']}`.", "",
+      f"`{POLICY}`, AdamW, mesh of {DEVICES} devices on axis `fsdp`, the batch split over "
+      "them; compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
+      "(**peak** = arguments + outputs + temporaries − donated aliases); **gathered "
+      "model** / **block**: the parameters in the dtypes the step gathers them in; "
+      "**growth / layer**: the peak's increase per added layer from the row above (same "
+      "kind and layout); **block grad**: one block's gradient in float32, as the step "
+      "holds it before the reduce-scatter. **all-gathers**: in the lowered program, with "
+      "their dtypes.", ""]
+  for title, rows in tables.items():
+    cfg = configs[title]
+    lines += [
+        f"## {title}: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, batch "
+        f"{cfg.batch} × {cfg.seq_len} tokens", "",
+        "| kind | layers | layout | args | temp | out | aliased | peak | growth / layer "
+        "| gathered model | gathered block | block grad | all-gathers |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- |"]
+    previous: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+      before = previous.get((r["kind"], r["layout"]))
+      growth = ("—" if before is None else
+                _mib((r["peak"] - before["peak"]) / (r["layers"] - before["layers"])))
+      previous[(r["kind"], r["layout"])] = r
+      r["growth"] = (None if before is None else
+                     (r["peak"] - before["peak"]) / (r["layers"] - before["layers"]))
+      dtypes = ", ".join(f"{n} {d}" for d, n in sorted(r["gather_dtypes"].items()))
+      lines.append(
+          f"| {r['kind']} | {r['layers']} | {r['layout']} | {_mib(r['args'])} | "
+          f"{_mib(r['temp'])} | {_mib(r['out'])} | {_mib(r['alias'])} | "
+          f"{_mib(r['peak'])} | {growth} | {_mib(r['gathered_model'])} | "
+          f"{_mib(r['gathered_block'])} | {_mib(r['block_grad_f32'])} | "
+          f"{r['all_gathers']}{' (' + dtypes + ')' if dtypes else ''} |")
+    lines.append("")
+    deepest = max(r["layers"] for r in rows)
+    for kind in KINDS:
+      by = {r["layout"]: r for r in rows if r["kind"] == kind and r["layers"] == deepest}
+      if len(by) == len(LAYOUTS):
+        dp, fs = by["data parallel"], by["fsdp"]
+        lines.append(
+            f"- {kind}, {deepest} layers: FSDP peak {_mib(fs['peak'])} MiB, "
+            f"{fs['peak'] / dp['peak']:.2f}× data parallel's; the whole model gathered "
+            f"is {_mib(fs['gathered_model'])} MiB of it "
+            f"({fs['gathered_model'] / fs['peak']:.0%}). Its peak grows by "
+            f"{_mib(fs['growth'])} MiB per layer; one block gathered and its float32 "
+            f"gradient are {_mib(fs['gathered_block'] + fs['block_grad_f32'])} MiB.")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "fsdp"))
+  parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 24])
+  parser.add_argument("--size", choices=("cpu", "smoke"), default="cpu")
+  args = parser.parse_args()
+  if jax.device_count() < DEVICES:
+    raise SystemExit(f"needs {DEVICES} devices, found {jax.device_count()}")
+  mesh = jax.make_mesh((DEVICES,), ("fsdp",), devices=jax.devices()[:DEVICES])
+  configs = CONFIGS if args.size == "cpu" else SMOKE
+  info = report.machine()
+  info["command"] = "python benchmarks/fsdp_memory.py " + " ".join(sys.argv[1:])
+  tables: dict[str, list[dict[str, Any]]] = {}
+  for title, cfg in configs.items():
+    rows = tables.setdefault(title, [])
+    for kind in KINDS:
+      for layers in args.layers:
+        for layout in LAYOUTS:
+          row = measure(kind, layers, layout, mesh, cfg)
+          rows.append(row)
+          print(f"{title} {kind:12s} {layers:3d} {layout:14s} peak {_mib(row['peak']):>8s} "
+                f"MiB  temp {_mib(row['temp']):>8s}  all-gathers {row['all_gathers']} "
+                f"({row['seconds']:.0f} s)", flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"machine": info, "tables": tables}, f, indent=1)
+  with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+    f.write(markdown(info, tables, configs))
+  print(f"wrote {args.out}/RESULTS.md")
+
+
+if __name__ == "__main__":
+  main()
