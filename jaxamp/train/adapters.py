@@ -59,6 +59,15 @@ class NNXAdapter:
   def split(model: nnx.Module) -> tuple[Any, Any, Any]:
     return nnx.split(model, nnx.Param, ...)
 
+  @staticmethod
+  def plain(tree: Any) -> Any:
+    """An ``nnx.State`` as the nested dict of arrays it holds (``nnx.to_pure_dict``);
+    other trees as they are. The train state holds these: JAX flattens a dict in C++,
+    while each ``nnx.State`` and ``nnx.Variable`` node is flattened by Python code on
+    every jitted call (about 5x the dispatch time of a 150-parameter model with Adam).
+    ``nnx.merge`` takes them back with the graphdef."""
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
     del rng  # NNX models carry their RNG streams in model_state
 
@@ -72,7 +81,7 @@ class NNXAdapter:
     kind = Float32Outputs if float32_outputs else amp_nnx.PolicyModule
     # The step decides on half_residuals for the whole loss (train.gradients).
     view = kind(model, policy, recompute_norms=self.recompute_norms, half_residuals=False)
-    return view, lambda: nnx.split(model, nnx.Param, ...)[2]
+    return view, lambda: self.plain(nnx.split(model, nnx.Param, ...)[2])
 
   def model(self, state: TrainState) -> nnx.Module:
     return nnx.merge(self.graphdef, state.params, state.model_state)

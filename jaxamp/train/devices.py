@@ -145,7 +145,7 @@ def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.A
   index = jax.lax.axis_index(axes)
   keys = jax.tree.map(lambda x: jax.random.fold_in(x, index) if is_key(x) else x,
                       model_state)
-  return jax.random.fold_in(rng, index), keys
+  return None if rng is None else jax.random.fold_in(rng, index), keys
 
 
 def _shared_keys(new_state: Any, model_state: Any) -> Any:

@@ -135,7 +135,8 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   def body(carry, xs):
     acc, ms, f8 = carry
     mb, i = xs
-    g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, jax.random.fold_in(rng, i))
+    key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
+    g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
     acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
     return (acc, ms, f8), (loss, aux)
 

@@ -253,6 +253,8 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     params, model_state = _flax_compat.unbox((params, model_state))
   params = _stored(options, params, rows, name)
   reductions = _state_reductions(options, model_state) if options.mesh is not None else None
+  if isinstance(split.adapter, NNXAdapter):  # the Variables' types and metadata are read
+    params, model_state, specs = map(NNXAdapter.plain, (params, model_state, specs))
   if specs is not None:
     gather_dtypes = _gather_dtypes(params, rows, split.holders)
   master_weights = options.master_weights
@@ -275,7 +277,8 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     fp8_lib.warn_if_unused(rows, name, options.policy.name, census=lambda: _linen_census(
         options, model, variables, example_args, example_kwargs))
   state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
-                     model_state=model_state, rng=jax.random.key(options.seed),
+                     model_state=model_state,
+                     rng=jax.random.key(options.seed) if split.adapter.uses_rng else None,
                      fp8=fp8_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
               master_weights=bool(master_weights), recompute_norms=recompute,

@@ -119,7 +119,8 @@ def state_shardings(plan: Plan, state: TrainState) -> TrainState:
   return TrainState(params=one(state.params),
                     opt_state=jax.tree.map(one, state.opt_state, is_leaf=mirrors),
                     step=repl, model_state=jax.tree.map(lambda _: repl, state.model_state),
-                    rng=repl, fp8=jax.tree.map(lambda _: repl, state.fp8))
+                    rng=jax.tree.map(lambda _: repl, state.rng),
+                    fp8=jax.tree.map(lambda _: repl, state.fp8))
 
 
 def laid_out(plan: Plan, batch: Any) -> Any:

@@ -19,18 +19,20 @@ class TrainState(NamedTuple):
 
   Attributes:
     params: trainable parameters, each stored in the param dtype of the module owning it
-      (an ``nnx.State`` for NNX models, the ``'params'`` collection for Linen).
+      (for NNX models the nested dict of arrays ``nnx.to_pure_dict`` makes of the
+      ``nnx.Param`` state, which ``nnx.merge(graphdef, params, model_state)`` takes;
+      the ``'params'`` collection for Linen).
     opt_state: the optimizer state, loss-scale state included
       (:func:`jaxamp.get_loss_scale` reads it).
     step: number of ``step`` calls made (skipped ones included; the optimizer's own
       counters do not advance on skipped steps).
-    model_state: non-trainable state: BatchNorm statistics, NNX RNG streams, other
-      Linen collections.
+    model_state: non-trainable state: BatchNorm statistics, NNX RNG streams (as a
+      nested dict of arrays for NNX models), other Linen collections.
     rng: the base PRNG key of Linen's ``'dropout'`` stream: a step draws from
       ``jax.random.fold_in(rng, n)``, ``n`` the number of steps applied before it
       (skipped ones excluded), so the key itself never changes and a model that draws
-      none costs no key work. Unused for NNX models (they carry their RNG streams in
-      ``model_state``).
+      none costs no key work. None for NNX models (they carry their RNG streams in
+      ``model_state``) and Equinox models (they take keys as arguments).
     fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
       scales), updated by the step's forward and backward passes, never by the
       optimizer, and kept as is on a skipped step; None without FP8 modules.
@@ -40,7 +42,7 @@ class TrainState(NamedTuple):
   opt_state: Any
   step: jax.Array
   model_state: Any
-  rng: jax.Array
+  rng: jax.Array | None
   fp8: Any = None
 
 
