@@ -10,15 +10,21 @@ For reference, in the same rounds:
 - ``jax.jit(train.step_fn)``: jaxamp's program under the user's own ``jax.jit``, without
   ``train.step``'s Python around it;
 - the hand-written step carrying what jaxamp's state carries and returning its metrics
-  (a step count, the loss-scale counters, a PRNG key, the exact skip under
+  (a step count, the loss-scale counters, the exact skip under
   ``lax.cond``, loss, scale, finiteness, gradient norm, skip count);
-- the same step with that state's counters, step and key packed into one ``uint32``
+- the same step with that state's counters and step packed into one ``uint32``
   array and the metrics into another (bit casts inside the program): what a state and
   metrics format with fewer arrays would cost per call;
 - ``train.step`` on a state it did not return (``state._replace()`` each call: the
   user's own TrainState), which takes the state check;
 - ``lax.scan`` over ``train.step_fn`` and over the hand-written step: ``--calls`` steps
   in one call, per step.
+
+A second table holds a model with many parameters: 75 ``nnx.Linear(8, 8)`` in a row
+(150 parameter arrays) trained with Adam, where jaxamp's ``train.step`` meets two
+hand-written steps, one holding ``nnx.split``'s ``nnx.State`` (each of its nodes and
+``nnx.Variable`` s flattened by Python code on every call) and one holding the nested
+dicts ``nnx.to_pure_dict`` makes of it (flattened in C++).
 
 Rounds interleave the candidates, in an order reversed every other round and rotated;
 the ratio is the median of the per-round ratios, with a bootstrap interval. Writes
@@ -60,6 +66,8 @@ JAXAMP, STEP_FN, PLAIN, SAME, PACKED, REWRAPPED = (
     "plain, jaxamp's state and metrics", "plain, the same packed in two arrays",
     "train.step, a state it did not return")
 SCAN_JAXAMP, SCAN_PLAIN = "lax.scan(train.step_fn), per step", "lax.scan(plain step), per step"
+DEEP_STATE, DEEP_DICT = "plain jax.jit step, nnx.State", "plain jax.jit step, plain dicts"
+DEEP_LAYERS = 75
 
 
 @dataclasses.dataclass
@@ -96,7 +104,7 @@ def plain_steps(policy: str) -> tuple[Callable[..., Any], Callable[..., Any], An
     return (optax.apply_updates(params, updates), opt_state), loss
 
   def same_outputs(state, x):
-    (params, opt_state), (scale, growth, _, skipped), count, key = state
+    (params, opt_state), (scale, growth, _, skipped), count = state
     loss, g = grads(params, x)
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(v.astype(F32))) for v in jax.tree.leaves(g)))
     finite = jnp.isfinite(norm)
@@ -110,7 +118,7 @@ def plain_steps(policy: str) -> tuple[Callable[..., Any], Callable[..., Any], An
     counters = (scale, jnp.where(finite, growth + 1, 0), finite, skipped)
     metrics = {"loss": loss, "loss_scale": scale, "grads_finite": finite, "grad_norm": norm,
                "skipped_steps": skipped}
-    return (kept, counters, count + 1, key), metrics
+    return (kept, counters, count + 1), metrics
 
   words = lambda *xs: jnp.stack([
       x.astype(U32) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, U32)
@@ -120,17 +128,16 @@ def plain_steps(policy: str) -> tuple[Callable[..., Any], Callable[..., Any], An
     kept, w = state
     as_ = lambda i, dtype: jax.lax.bitcast_convert_type(w[i], dtype)
     counters = (as_(0, F32), as_(1, jnp.int32), w[2] != 0, as_(3, jnp.int32))
-    key = jax.random.wrap_key_data(w[5:7])
-    (kept, counters, count, key), m = same_outputs((kept, counters, as_(4, jnp.int32), key), x)
-    return (kept, jnp.concatenate([words(*counters, count), jax.random.key_data(key)])), words(
+    (kept, counters, count), m = same_outputs((kept, counters, as_(4, jnp.int32)), x)
+    return (kept, words(*counters, count)), words(
         *m.values())
 
   copy = lambda: jax.tree.map(jnp.copy, (params, opt.init(params)))
   counters = (jnp.ones([], F32), jnp.zeros([], jnp.int32), jnp.asarray(True),
               jnp.zeros([], jnp.int32))
-  key, count = jax.random.key(0), jnp.zeros([], jnp.int32)
-  packed_state = (copy(), jnp.concatenate([words(*counters, count), jax.random.key_data(key)]))
-  return step, same_outputs, packed, copy(), (copy(), counters, count, key), packed_state
+  count = jnp.zeros([], jnp.int32)
+  return step, same_outputs, packed, copy(), (copy(), counters, count), (copy(), words(
+      *counters, count))
 
 
 def arrays(state: Any, batch: Any, out: Any) -> tuple[int, int]:
@@ -168,6 +175,43 @@ def candidates(policy: str, calls: int) -> list[Candidate]:
       counted(SCAN_JAXAMP, scan(trains[3].step_fn), states[3], xs, calls),
       counted(SCAN_PLAIN, scan(step), plain_steps(policy)[3], xs, calls),
   ]
+
+
+class Deep(nnx.Module):
+  """``DEEP_LAYERS`` ``nnx.Linear(8, 8)`` in a row: many parameters, little work."""
+
+  def __init__(self, dtype: Any = None):
+    rngs = nnx.Rngs(0)
+    self.layers = nnx.List([nnx.Linear(8, 8, dtype=dtype, rngs=rngs)
+                            for _ in range(DEEP_LAYERS)])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for layer in self.layers:
+      x = jax.nn.relu(layer(x))
+    return x
+
+
+def deep_candidates(policy: str) -> list[Candidate]:
+  """jaxamp's step and two hand-written ones (``nnx.State``; plain dicts) on :class:`Deep`
+  with Adam, under ``policy`` (bfloat16 compute set by hand for the hand-written ones)."""
+  x = jax.random.normal(jax.random.key(1), (4, 8), F32)
+  opt = optax.adam(1e-3)
+  train = jaxamp.make_train_step(loss_of, opt, policy=policy)
+  graphdef, params = nnx.split(Deep(jnp.bfloat16 if policy == "mixed_bfloat16" else None))
+
+  def step(state, x):
+    params, opt_state = state
+    loss, g = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p), x))(params)
+    updates, opt_state = opt.update(g, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  plain = lambda p: jax.tree.map(jnp.copy, (p, opt.init(p)))
+  jit = jax.jit(step, donate_argnums=0)
+  cands = [(JAXAMP, train.step, train.init(Deep())), (DEEP_STATE, jit, plain(params)),
+           (DEEP_DICT, jax.jit(step, donate_argnums=0), plain(nnx.to_pure_dict(params)))]
+  return [Candidate(name, call, state, x, 1,
+                    arrays(state, x, jax.eval_shape(call, state, x)))
+          for name, call, state in cands]
 
 
 def measure(cs: list[Candidate], rounds: int, calls: int, warmup: int
@@ -219,10 +263,11 @@ def _us(seconds: float) -> str:
 
 
 def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
-          results: dict[str, Any]) -> None:
+          results: dict[str, Any], deep: dict[str, Any]) -> None:
   out.mkdir(parents=True, exist_ok=True)
   (out / "results.json").write_text(json.dumps(
-      {"machine": info, "config": config, "results": results}, indent=1, default=str))
+      {"machine": info, "config": config, "results": results, "deep": deep}, indent=1,
+      default=str))
   lines = [
       "# Dispatch: jaxamp's train step against a plain jitted step (issue 32)", "",
       f"Measured by `{info['command']}` on {info['date']} ({config['seconds']:.0f} s in "
@@ -265,6 +310,21 @@ def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
           f"{ratio[1]:.2f}–{ratio[2]:.2f}" if ratio else "—",
           "{} / {}".format(*c["arrays"]) if c["arrays"] else "—"))
     lines.append("")
+  lines += [f"## {DEEP_LAYERS * 2} parameters, Adam", "",
+            f"{DEEP_LAYERS} `nnx.Linear(8, 8)` in a row, batch 4, `optax.adam(1e-3)`; "
+            f"{max(config['calls'] // 10, 1)} calls per round. **× dicts**: to the "
+            "hand-written step holding plain dicts, in the same rounds.", ""]
+  for policy, r in deep.items():
+    lines += [f"### {policy}", "", "| candidate | µs/step | IQR % | CPU µs/step | × dicts "
+              "| 95 % interval | arrays in / out |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in r.items():
+      ratio = c.get("ratio_to_plain")
+      lines.append("| {} | {} | {:.1f} | {} | {} | {} | {} |".format(
+          name, _us(c["step_s"]), 100 * c["spread"], _us(c["cpu_step_s"]),
+          f"{ratio[0]:.2f}" if ratio else "—",
+          f"{ratio[1]:.2f}–{ratio[2]:.2f}" if ratio else "—", "{} / {}".format(*c["arrays"])))
+    lines.append("")
   lines += ["## Summary", ""]
   for policy, r in results.items():
     c = r["candidates"]
@@ -281,6 +341,11 @@ def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
         f"{_us(c[SCAN_JAXAMP]['step_s'])} µs (jaxamp) and {_us(c[SCAN_PLAIN]['step_s'])} µs "
         f"(plain). Largest parameter difference from the plain step after 5 steps: "
         f"{r['param_difference']:.1e}.")
+  for policy, r in deep.items():
+    lines.append(
+        f"- {DEEP_LAYERS * 2} parameters with Adam, {policy}: `train.step` "
+        f"{r[JAXAMP]['ratio_to_plain'][0]:.2f}× the hand-written step holding plain dicts, "
+        f"the one holding `nnx.State` {r[DEEP_STATE]['ratio_to_plain'][0]:.2f}×.")
   own = max(r["train_step_over_step_fn"][0] for r in results.values())
   same = min(r["candidates"][SAME]["ratio_to_plain"][0] for r in results.values())
   packed = max(r["candidates"][PACKED]["ratio_to_plain"][0] for r in results.values())
@@ -289,7 +354,7 @@ def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
             "returned or one laid out alike; the batch layout; the skip-streak counter). The "
             f"plain step carrying jaxamp's state and metrics is at least {same:.2f}× the plain "
             "one: the arrays that cross the jit boundary each call cost that, whoever writes "
-            f"the step; packed into two arrays (counters, step and key; metrics), the same "
+            f"the step; packed into two arrays (counters and step; metrics), the same "
             f"work costs at most {packed:.2f}×, what a state and metrics format with fewer "
             "arrays would bring `train.step` (jaxamp's keeps named fields: "
             "`TrainState.step`, the loss-scale state's counters, a metrics dict). Where dispatch is the cost, run several steps per call: `lax.scan` "
@@ -333,11 +398,26 @@ def main(argv: list[str] | None = None) -> None:
       ratio = f"  × plain {c['ratio_to_plain'][0]:.2f}" if c["ratio_to_plain"] else ""
       print(f"{policy:>15} {name:<42} {_us(c['step_s']):>8} µs/step  "
             f"(CPU {_us(c['cpu_step_s'])}){ratio}")
+  deep: dict[str, Any] = {}
+  for policy in args.policies:
+    cs = deep_candidates(policy)
+    shapes = {c.name: c.arrays for c in cs}
+    wall, cpu = measure(cs, args.rounds, max(args.calls // 10, 1), max(args.warmup // 10, 1))
+    deep[policy] = {name: {"step_s": m.step_s, "spread": m.spread,
+                           "cpu_step_s": statistics.median(cpu[name]), "arrays": shapes[name],
+                           "round_step_s": m.round_step_s,
+                           "ratio_to_plain": (report.paired_ratio(m, wall[DEEP_DICT])
+                                              if name != DEEP_DICT else None)}
+                    for name, m in wall.items()}
+    for name, c in deep[policy].items():
+      ratio = f"  × dicts {c['ratio_to_plain'][0]:.2f}" if c["ratio_to_plain"] else ""
+      print(f"{policy:>15} {DEEP_LAYERS * 2} params, {name:<32} {_us(c['step_s']):>8} "
+            f"µs/step{ratio}")
   load.append(os.getloadavg()[0])
   config = {"rounds": args.rounds, "calls": args.calls, "warmup": args.warmup,
             "model": "nnx.Linear(8, 8), batch 4, optax.sgd(0.1)", "load": load,
             "seconds": time.perf_counter() - begin}
-  write(args.out, info, config, results)
+  write(args.out, info, config, results, deep)
   print(f"wrote {args.out / 'RESULTS.md'}")
 
 
