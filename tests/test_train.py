@@ -222,6 +222,29 @@ def test_linen_model_that_draws_no_key_gets_no_key_work(dropout):
   assert (" xor(" in compiled) == bool(dropout)
 
 
+def test_an_nnx_state_holds_plain_dicts_and_no_key():
+  # JAX flattens an nnx.State and each nnx.Variable with Python code on every jitted call
+  # (benchmarks/dispatch): the state holds the nested dicts nnx.to_pure_dict makes, which
+  # nnx.merge takes back, and no PRNG key (NNX models carry their streams).
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
+  model = NNXNet(nnx.Rngs(0, dropout=1), dropout=0.5)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  want = leaves((nnx.to_pure_dict(params), nnx.to_pure_dict(rest)))  # before donation
+  state = train.init(model)
+  assert state.rng is None
+  nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, (nnx.State, nnx.Variable)))
+  assert not [x for x in nodes if isinstance(x, (nnx.State, nnx.Variable))]
+  assert type(state.params) is dict and type(state.model_state) is dict
+  for got, expected in zip(leaves((state.params, state.model_state)), want, strict=True):
+    np.testing.assert_array_equal(got, expected)
+  assert jax.tree.structure(state.opt_state.inner_state[1][0].mu) == jax.tree.structure(
+      state.params)  # Adam's moments mirror the dicts
+  state, _ = train.step(state, make_batches(1)[0])
+  assert state.rng is None and type(state.model_state) is dict
+  assert_trees_equal(nnx.state(nnx.merge(graphdef, state.params, state.model_state)),
+                     nnx.state(train.model(state)))
+
+
 def test_gradients_whose_norm_leaves_float32_skip_the_step():
   # Every element finite, the global norm past float32's range (~1.8e19): skipped like an
   # overflow (clipping would zero it, Adam's second moment would hold inf from then on).
