@@ -162,7 +162,7 @@ def test_benchmark_harness_smoke(tmp_path):
   out = _benchmarks().run.main([
       "--size", "smoke", "--out", str(tmp_path), "--policies", "mixed_float16",
       "--impls", "jaxamp", "--only", "lm", "matmul", "overhead", "eager", "--warmup", "1",
-      "--rounds", "2", "--steps", "1", "--overhead-sittings", "2"])
+      "--rounds", "2", "--steps", "1"])
   (m,) = out["sections"]["lm"].results
   assert (m.impl, m.policy, m.error) == ("jaxamp", "mixed_float16", None)
   assert len(m.round_step_s) == 2 and all(t > 0 for t in m.round_step_s)
@@ -180,13 +180,12 @@ def test_benchmark_harness_smoke(tmp_path):
   assert models[:2] == ["MLP", "LM"] and models[2].startswith("ResNet")  # three models
   assert pairs == [(impl, f"{model} · mixed_float16") for model in models
                    for impl in ("jaxamp", "hand-written Flax")]
-  # Two sittings on fresh instances, two rounds each, pooled.
-  assert all(m.round_sitting == [0, 0, 1, 1] and len(m.round_step_s) == 4 for m in overhead)
+  # One sitting at this size (pooled sittings: the test below), two rounds.
+  assert all(m.round_sitting == [0, 0] and len(m.round_step_s) == 2 for m in overhead)
   eager = out["sections"]["eager"].results  # the LM forward without jit, one pair
   assert [(m.impl, m.policy, m.error) for m in eager] == [
       ("jaxamp", "mixed_float16", None), ("hand-written Flax", "mixed_float16", None)]
-  assert all(m.round_sitting == [0, 0, 1, 1] and min(m.round_step_s) > 0 for m in eager)
-  assert "2 sittings of 2 × 1 steps" in (tmp_path / "RESULTS.md").read_text()
+  assert all(m.round_sitting == [0, 0] and min(m.round_step_s) > 0 for m in eager)
 
   text = (tmp_path / "RESULTS.md").read_text()
   assert out["machine"]["cpu"] in text and f"jax / jaxlib | {jax.__version__}" in text
@@ -215,6 +214,31 @@ def test_benchmark_harness_smoke(tmp_path):
   assert (tmp_path / "RESULTS.md").read_text() == text
   with pytest.raises(SystemExit, match="no .*results.json to draw from"):
     _benchmarks().run.main(["--render", "--out", str(tmp_path / "nothing")])
+
+
+def test_benchmark_sittings_run_on_fresh_candidates_and_pool_their_rounds():
+  """``measure_sittings``: each sitting builds its candidates afresh (a sitting consumes
+  their states), measures them, and every candidate gets all sittings' rounds, each
+  marked with its sitting; the tables say how many sittings were pooled."""
+  bench = _benchmarks()
+  made = []
+
+  def make():
+    step = lambda s, b: (s + b, jnp.sum(s))
+    made.append([bench.measure.Candidate(impl, "p", step, jnp.zeros(3), jnp.ones(3))
+                 for impl in ("a", "b")])
+    return made[-1]
+
+  found = bench.measure.measure_sittings(make, 3, warmup=1, rounds=2, steps=1,
+                                         inspect=False, log=lambda _: None)
+  assert len(made) == 3 and len({id(c) for cands in made for c in cands}) == 6
+  assert [(m.impl, m.round_sitting) for m in found] == [
+      (impl, [0, 0, 1, 1, 2, 2]) for impl in ("a", "b")]
+  assert all(len(m.round_step_s) == 6 and min(m.round_step_s) > 0 for m in found)
+  args = types.SimpleNamespace(overhead_rounds=2, overhead_steps=1, overhead_sittings=3)
+  assert bench.run._sittings(args).startswith("3 sittings of 2 × 1 steps")
+  assert bench.run._sittings(types.SimpleNamespace(**{**vars(args),
+                                                      "overhead_sittings": 1})) == "2 × 1 steps"
 
 
 def test_benchmark_lower_only_lowers_for_cuda(capsys):
