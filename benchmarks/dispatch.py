@@ -206,9 +206,9 @@ def deep_candidates(policy: str) -> list[Candidate]:
     return (optax.apply_updates(params, updates), opt_state), loss
 
   plain = lambda p: jax.tree.map(jnp.copy, (p, opt.init(p)))
-  jit = jax.jit(step, donate_argnums=0)
-  cands = [(JAXAMP, train.step, train.init(Deep())), (DEEP_STATE, jit, plain(params)),
-           (DEEP_DICT, jax.jit(step, donate_argnums=0), plain(nnx.to_pure_dict(params)))]
+  jitted = jax.jit(step, donate_argnums=0)  # one program, two state layouts
+  cands = [(JAXAMP, train.step, train.init(Deep())), (DEEP_STATE, jitted, plain(params)),
+           (DEEP_DICT, jitted, plain(nnx.to_pure_dict(params)))]
   return [Candidate(name, call, state, x, 1,
                     arrays(state, x, jax.eval_shape(call, state, x)))
           for name, call, state in cands]
@@ -363,6 +363,19 @@ def write(out: pathlib.Path, info: dict[str, Any], config: dict[str, Any],
   (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
 
 
+def figures(cs: list[Candidate], wall: dict[str, Measurement], cpu: dict[str, list[float]],
+            baseline: str, unpaired: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Per candidate: its times, arrays per call and ratio to ``baseline`` (paired by round;
+  None for the baseline and for ``unpaired``)."""
+  shapes = {c.name: c.arrays for c in cs}
+  return {name: {"step_s": m.step_s, "spread": m.spread,
+                 "cpu_step_s": statistics.median(cpu[name]), "arrays": shapes[name],
+                 "round_step_s": m.round_step_s, "round_cpu_s": cpu[name],
+                 "ratio_to_plain": (None if name == baseline or name in unpaired
+                                    else report.paired_ratio(m, wall[baseline]))}
+          for name, m in wall.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path,
@@ -379,16 +392,8 @@ def main(argv: list[str] | None = None) -> None:
   results: dict[str, Any] = {}
   for policy in args.policies:
     cs = candidates(policy, args.calls)
-    shapes = {c.name: c.arrays for c in cs}
     wall, cpu = measure(cs, args.rounds, args.calls, args.warmup)
-    plain = wall[PLAIN]
-    out: dict[str, Any] = {}
-    for name, m in wall.items():
-      out[name] = {"step_s": m.step_s, "spread": m.spread,
-                   "cpu_step_s": statistics.median(cpu[name]), "arrays": shapes[name],
-                   "round_step_s": m.round_step_s, "round_cpu_s": cpu[name],
-                   "ratio_to_plain": (report.paired_ratio(m, plain)
-                                      if name not in (PLAIN, SCAN_JAXAMP, SCAN_PLAIN) else None)}
+    out = figures(cs, wall, cpu, PLAIN, unpaired=(SCAN_JAXAMP, SCAN_PLAIN))
     results[policy] = {
         "candidates": out,
         "train_step_over_step_fn": report.paired_ratio(wall[JAXAMP], wall[STEP_FN]),
@@ -401,14 +406,8 @@ def main(argv: list[str] | None = None) -> None:
   deep: dict[str, Any] = {}
   for policy in args.policies:
     cs = deep_candidates(policy)
-    shapes = {c.name: c.arrays for c in cs}
     wall, cpu = measure(cs, args.rounds, max(args.calls // 10, 1), max(args.warmup // 10, 1))
-    deep[policy] = {name: {"step_s": m.step_s, "spread": m.spread,
-                           "cpu_step_s": statistics.median(cpu[name]), "arrays": shapes[name],
-                           "round_step_s": m.round_step_s,
-                           "ratio_to_plain": (report.paired_ratio(m, wall[DEEP_DICT])
-                                              if name != DEEP_DICT else None)}
-                    for name, m in wall.items()}
+    deep[policy] = figures(cs, wall, cpu, DEEP_DICT)
     for name, c in deep[policy].items():
       ratio = f"  × dicts {c['ratio_to_plain'][0]:.2f}" if c["ratio_to_plain"] else ""
       print(f"{policy:>15} {DEEP_LAYERS * 2} params, {name:<32} {_us(c['step_s']):>8} "

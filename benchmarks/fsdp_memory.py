@@ -16,7 +16,7 @@ runs: each step is lowered and compiled, and per device it reads
 - one block's parameters, gathered (in the dtype the step gathers them in), and the
   whole model's: what a step that gathers the whole model at its start holds at once.
 
-**growth / layer** is the peak's increase per added layer between the two largest depths;
+**growth / layer** is the peak's increase per added layer since the next smaller depth;
 a step that gathers each layer's parameters when it runs grows by about one layer's
 gathered parameters plus its activations per layer, one that gathers the whole model by
 a layer's gathered parameters more. On CPU, fake the devices (the script does, unless
@@ -148,16 +148,14 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
     previous: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
       before = previous.get((r["kind"], r["layout"]))
-      growth = ("—" if before is None else
-                _mib((r["peak"] - before["peak"]) / (r["layers"] - before["layers"])))
-      previous[(r["kind"], r["layout"])] = r
       r["growth"] = (None if before is None else
                      (r["peak"] - before["peak"]) / (r["layers"] - before["layers"]))
+      previous[(r["kind"], r["layout"])] = r
       dtypes = ", ".join(f"{n} {d}" for d, n in sorted(r["gather_dtypes"].items()))
       lines.append(
           f"| {r['kind']} | {r['layers']} | {r['layout']} | {_mib(r['args'])} | "
           f"{_mib(r['temp'])} | {_mib(r['out'])} | {_mib(r['alias'])} | "
-          f"{_mib(r['peak'])} | {growth} | {_mib(r['gathered_model'])} | "
+          f"{_mib(r['peak'])} | {_mib(r['growth'])} | {_mib(r['gathered_model'])} | "
           f"{_mib(r['gathered_block'])} | {_mib(r['block_grad_f32'])} | "
           f"{r['all_gathers']}{' (' + dtypes + ')' if dtypes else ''} |")
     lines.append("")
