@@ -64,7 +64,8 @@ class NNXAdapter:
     """An ``nnx.State`` as the nested dict of arrays it holds (``nnx.to_pure_dict``);
     other trees as they are. The train state holds these: JAX flattens a dict in C++,
     while each ``nnx.State`` and ``nnx.Variable`` node is flattened by Python code on
-    every jitted call (about 5x the dispatch time of a 150-parameter model with Adam).
+    every jitted call (a 150-parameter step with Adam held so takes 3x as long per call:
+    ``benchmarks/dispatch``).
     ``nnx.merge`` takes them back with the graphdef."""
     return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
