@@ -243,6 +243,10 @@ def test_an_nnx_state_holds_plain_dicts_and_no_key():
   assert state.rng is None and type(state.model_state) is dict
   assert_trees_equal(nnx.state(nnx.merge(graphdef, state.params, state.model_state)),
                      nnx.state(train.model(state)))
+  # Params set from an nnx.State (as states held them before) are refused, naming the fix.
+  fresh = nnx.state(NNXNet(nnx.Rngs(0, dropout=1), dropout=0.5), nnx.Param)
+  with pytest.raises(ValueError, match=r"its params holds nnx.State.*nnx.to_pure_dict"):
+    train.step(state._replace(params=fresh), make_batches(1)[0])
 
 
 def test_gradients_whose_norm_leaves_float32_skip_the_step():

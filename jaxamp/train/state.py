@@ -90,6 +90,12 @@ def value_of(x: Any) -> Any:
   return x.get_value() if isinstance(x, nnx.Variable) else x
 
 
+def _holds_nnx_nodes(tree: Any) -> bool:
+  nodes = (nnx.State, nnx.Variable)
+  return any(isinstance(x, nodes)
+             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nodes)))
+
+
 def mismatch(state: Any, expected: Any) -> str | None:
   """What differs between ``state`` and ``expected`` (an abstract TrainState), or None."""
   if not isinstance(state, TrainState):
@@ -100,6 +106,11 @@ def mismatch(state: Any, expected: Any) -> str | None:
   for field, cause in fields.items():
     got, want = getattr(state, field), getattr(expected, field)
     if jax.tree.structure(got) != jax.tree.structure(want):
+      if _holds_nnx_nodes(got) and not _holds_nnx_nodes(want):
+        return (f"its {field} holds nnx.State or nnx.Variable nodes where this step's "
+                "holds the plain dicts of arrays nnx.to_pure_dict makes of them (set "
+                "from nnx.state(...), or made before jaxamp held NNX states so?); pass "
+                f"nnx.to_pure_dict(...) of it as {field}")
       why = f" (made for {cause}?)" if cause else ""
       return f"its {field} has another structure than this step's{why}"
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
