@@ -61,12 +61,15 @@ CONFIGS = {
 }
 SMOKE = {"smoke LM": models.LMConfig(64, 32, 2, 1, 16, 8)}
 DEVICES = 8
-LAYOUTS = ("data parallel", "fsdp")
+# Data parallel; FSDP gathering the whole model at the step's start; FSDP gathering each
+# parameter where a module reads it (jaxamp.fsdp(gather=...)).
+LAYOUTS = {"data parallel": None, "fsdp (model)": "model", "fsdp (layer)": "layer"}
 KINDS = {"unrolled": models.GPT, "scan-stacked": models.ScanGPT}
 
 
 def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
-  kw = {"param_sharding": jaxamp.fsdp("fsdp")} if layout == "fsdp" else {}
+  gather = LAYOUTS[layout]
+  kw = {"param_sharding": jaxamp.fsdp("fsdp", gather=gather)} if gather else {}
   return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
                                 batch_axis="fsdp", **kw)
 

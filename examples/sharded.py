@@ -1,7 +1,8 @@
 """Sharded (FSDP) mixed-precision training, in one process or several.
 
 The params, float32 Adam moments and loss scale live sharded over a ``'fsdp'`` mesh axis;
-each step gathers the params in bfloat16 and reduce-scatters gradients in float32.
+each step gathers each layer's params in bfloat16 where the layer runs (``--gather
+model``: the whole model at the step's start) and reduce-scatters gradients in float32.
 
 One process, 8 CPU devices::
 
@@ -55,12 +56,14 @@ def batches(steps: int):
            "y": rng.randint(0, 8, BATCH).astype(np.int32)}
 
 
-def run(steps: int = 3, policy: str = "mixed_bfloat16", sharded: bool = True):
+def run(steps: int = 3, policy: str = "mixed_bfloat16", sharded: bool = True,
+        gather: str = "auto"):
   """Trains ``steps`` steps; returns the final params (as host arrays) and the losses."""
   kw = {}
   if sharded:
     mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
-    kw = dict(mesh=mesh, batch_axis="fsdp", param_sharding=jaxamp.fsdp("fsdp", min_size=1024))
+    kw = dict(mesh=mesh, batch_axis="fsdp",
+              param_sharding=jaxamp.fsdp("fsdp", min_size=1024, gather=gather))
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, **kw)
   state = train.init(Mlp(nnx.Rngs(0)))
   losses = []
@@ -81,8 +84,9 @@ def run(steps: int = 3, policy: str = "mixed_bfloat16", sharded: bool = True):
               for p in jax.tree.leaves(state.params)]
     layout = {jax.tree_util.keystr(k): str(v.sharding.spec)
               for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    where = "per layer" if train.plan.layer_gather else "whole model"
     print(f"process {jax.process_index()}/{jax.process_count()}, "
-          f"{jax.device_count()} devices; param layout: {layout}")
+          f"{jax.device_count()} devices; gathered {where}; param layout: {layout}")
   else:
     params = [np.asarray(p) for p in jax.tree.leaves(state.params)]
   return params, losses
@@ -95,6 +99,7 @@ def main() -> None:
   parser.add_argument("--coordinator", default="localhost:12355")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--policy", default="mixed_bfloat16")
+  parser.add_argument("--gather", default="auto", choices=jaxamp.sharding.GATHERS)
   parser.add_argument("--out", help="write the final params and losses to this .npz")
   args = parser.parse_args()
   if args.processes > 1:
@@ -102,7 +107,7 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, num_processes=args.processes,
                                process_id=args.process_id)
-  params, losses = run(args.steps, args.policy)
+  params, losses = run(args.steps, args.policy, gather=args.gather)
   print("losses:", " ".join(f"{l:.6f}" for l in losses))
   if args.out:
     np.savez(args.out, *params, losses=np.asarray(losses))

@@ -46,7 +46,8 @@ import numpy as np
 
 from jaxamp import casting
 
-__all__ = ["computes_in_half", "half_residuals", "recompute_all", "save_half_and_statistics"]
+__all__ = ["computes_in_half", "half_residuals", "recompute_all", "save_half_and_statistics",
+           "gathers", "save_all_but_gathers", "regather_policy", "checkpointed"]
 
 # Elementwise and layout primitives: recomputing one costs a pass over memory the
 # backward pass makes anyway. Matmuls, convolutions, reductions, scatters, sorts,
@@ -89,7 +90,10 @@ def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
     **params: its parameters.
 
   Returns:
-    True if its outputs may be saved.
+    True if its outputs may be saved. A parameter all-gathered where it is read
+    (:func:`gathers`) is never saved, nor is what an ``optimization_barrier`` passes
+    through (its inputs are: per-layer FSDP ties each layer's parameter slices to its
+    inputs with one, and saving its outputs would keep a copy of every slice).
   """
   if prim.name == "convert_element_type":
     # A float16 value's float32 upcast is saved: recomputed, it made XLA:CPU's compile
@@ -100,7 +104,31 @@ def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
                                     and not _multiplies(params.get("call_jaxpr"))):
     # A custom_jvp function (relu, gelu, softplus) counts as what it computes.
     return not any(_wide(a) for a in avals)
-  return True
+  return not gathers(prim, params) and prim.name != "optimization_barrier"
+
+
+def gathers(prim: Any, params: dict[str, Any]) -> bool:
+  """Whether a jaxpr equation all-gathers a parameter where it is read: a
+  ``jax.custom_vjp`` function holding an ``all_gather`` (FSDP's per-layer reads,
+  ``jaxamp.fsdp(gather='layer')``). Its result is gathered again in the backward pass,
+  not saved: saving it would keep every layer's gathered parameters at once."""
+  return prim.name == "custom_vjp_call" and _all_gathers(params.get("call_jaxpr"))
+
+
+def _all_gathers(jaxpr: Any) -> bool:
+  if jaxpr is None:
+    return False
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return any(eqn.primitive.name == "all_gather" for eqn in jaxpr.eqns) or any(
+      _all_gathers(sub) for sub in jax_core.subjaxprs(jaxpr))
+
+
+def save_all_but_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
+  """A ``jax.checkpoint`` policy saving everything but parameters all-gathered where they
+  are read (:func:`gathers`) and what optimization barriers pass through: the
+  full-precision step's policy under per-layer FSDP."""
+  del avals
+  return not gathers(prim, params) and prim.name != "optimization_barrier"
 
 
 def _multiplies(jaxpr: Any) -> bool:
@@ -123,8 +151,8 @@ def recompute_all(prim: Any, *avals: Any, **params: Any) -> bool:
 
 def _rematerializes(jaxpr: Any) -> bool:
   """Whether ``jaxpr`` holds a ``jax.checkpoint`` (at any depth) other than jaxamp's
-  recomputed norms."""
-  return any(eqn.primitive.name in _REMAT and eqn.params.get("policy") is not recompute_all
+  (recomputed norms, per-layer FSDP's modules)."""
+  return any(eqn.primitive.name in _REMAT and eqn.params.get("policy") not in _OWN_POLICIES
              for eqn in jaxpr.eqns) or any(
                  _rematerializes(sub) for sub in jax_core.subjaxprs(jaxpr))
 
@@ -141,6 +169,18 @@ def _narrow_reads_seen(jaxpr: Any, outer: list[Any], reads: dict[int, np.dtype])
   return [casting.narrow_at_boundary(x, reads[j])
           if j in reads and uses.get(id(jaxpr.invars[j]), 0) == 1 else x
           for j, x in enumerate(outer)]
+
+
+def regather_policy(compute_dtype: Any) -> Callable[..., bool]:
+  """The policy a module reading parameters gathered at their reads (FSDP's
+  ``gather='layer'``) runs under: nothing gathered is saved, and the rest as
+  :func:`half_residuals` (a module computing in half) or plain reverse mode would save."""
+  if np.dtype(compute_dtype).itemsize < 4:
+    return save_half_and_statistics
+  return save_all_but_gathers
+
+
+_OWN_POLICIES = (recompute_all, save_half_and_statistics, save_all_but_gathers)
 
 
 def computes_in_half(policies: Iterable[Any]) -> bool:
@@ -178,6 +218,12 @@ def half_residuals(fn: Callable[..., Any]) -> Callable[..., Any]:
     A function of the same arguments returning the same results, whose derivatives
     save half-precision values and statistics rather than float32 intermediates.
   """
+  return checkpointed(fn, save_half_and_statistics)
+
+
+def checkpointed(fn: Callable[..., Any], policy: Callable[..., bool]) -> Callable[..., Any]:
+  """``fn`` under ``jax.checkpoint`` with ``policy``, as :func:`half_residuals` runs it
+  (pytrees in and out, nested calls and self-rematerializing functions left alone)."""
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -220,7 +266,7 @@ def half_residuals(fn: Callable[..., Any]) -> Callable[..., Any]:
     if not _rematerializes(closed.jaxpr):
       # An outer checkpoint's policy overrides those of the checkpoints inside it: a
       # function that rematerializes itself (nn.remat, jax.checkpoint) keeps its own.
-      run = jax.checkpoint(run, policy=save_half_and_statistics)
+      run = jax.checkpoint(run, policy=policy)
       inputs = _narrow_reads_seen(closed.jaxpr, outer, reads)
     arrays = run(inputs)
     full = list(out_leaves)

@@ -41,7 +41,8 @@ from flax import nnx
 
 from jaxamp._flax_compat import unbox
 
-__all__ = ["ParamSharding", "fsdp", "annotated", "param_specs", "Collective", "collectives"]
+__all__ = ["ParamSharding", "GATHERS", "fsdp", "annotated", "gather_of", "param_specs", "Collective",
+           "collectives"]
 
 P = jax.sharding.PartitionSpec
 
@@ -73,7 +74,18 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
-def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
+GATHERS = ("auto", "layer", "model")
+"""Where a sharded train step gathers its parameters: see :func:`fsdp`."""
+
+
+def _check_gather(gather: str) -> None:
+  if gather not in GATHERS:
+    raise ValueError(f"gather must be one of {', '.join(map(repr, GATHERS))}, got "
+                     f"{gather!r}.")
+
+
+def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
+         gather: str = "auto") -> ParamSharding:
   """Fully-sharded data parallel (ZeRO-3): each large parameter sharded over ``axis``.
 
   Each floating parameter with at least ``min_size`` elements is split along its largest
@@ -81,9 +93,24 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
   with no divisible dimension, are replicated (their bytes are few; gathering them costs
   more latency than it saves).
 
+  Where the step gathers them (``gather``):
+
+  - ``'layer'``: each parameter where a module reads it, in that module's compute dtype,
+    and its gradient reduce-scattered as it leaves the module's backward pass; the
+    backward pass gathers again rather than keeping the gathered copy. One layer's
+    parameters are live at a time (under ``nnx.scan`` over stacked layers, one layer's
+    slice), so the step's peak memory grows with the model's size over the devices,
+    as PyTorch FSDP's does. NNX models only.
+  - ``'model'``: every parameter at the start of the step, every gradient at its end:
+    one collective per parameter, but each device holds the whole model gathered (in
+    the compute dtypes) and its whole float32 gradient at once.
+  - ``'auto'`` (default): ``'layer'`` for NNX models, ``'model'`` for Linen and Equinox
+    models and NNX models holding bridged Linen modules (``nnx.bridge.ToNNX``).
+
   Args:
     axis: a mesh axis name, or several (sharded over their product).
     min_size: parameters with fewer elements stay replicated.
+    gather: ``'auto'``, ``'layer'`` or ``'model'``.
 
   Returns:
     A param sharding for ``make_train_step(param_sharding=...)``. The batch should be
@@ -99,6 +126,7 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
   names = axis_names(axis)
   if not names:
     raise ValueError("fsdp needs a mesh axis name, got none.")
+  _check_gather(gather)
 
   def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     _check_axes(names, mesh, "fsdp axis")
@@ -118,10 +146,18 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12) -> ParamSharding:
 
     return jax.tree.map(one, unbox(params))
 
+  specs.gather = gather
   return specs
 
 
-def annotated(rules: Sequence[tuple[str, Any]] | None = None) -> ParamSharding:
+def gather_of(param_sharding: Any) -> str:
+  """Where a step with ``param_sharding`` gathers its parameters: the ``gather`` its
+  preset was made with (:func:`fsdp`, :func:`annotated`), else ``'auto'``."""
+  return getattr(param_sharding, "gather", "auto") if callable(param_sharding) else "auto"
+
+
+def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
+              gather: str = "auto") -> ParamSharding:
   """The shardings the model declares: NNX ``sharding`` metadata, Linen boxes.
 
   NNX parameters made with ``nnx.with_partitioning(init, names)`` (or ``nnx.Param(...,
@@ -133,6 +169,7 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None) -> ParamSharding:
 
   Args:
     rules: logical-to-mesh axis rules, or None.
+    gather: where the step gathers sharded parameters (see :func:`fsdp`).
 
   Returns:
     A param sharding for ``make_train_step(param_sharding=...)``. Unannotated
@@ -160,6 +197,8 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None) -> ParamSharding:
     to_mesh = nn.logical_to_mesh_axes
     return jax.tree.map(lambda s: P(*to_mesh(tuple(s), given)), declared, is_leaf=_is_spec)
 
+  _check_gather(gather)
+  specs.gather = gather
   return specs
 
 

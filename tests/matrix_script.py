@@ -23,7 +23,7 @@ P = jax.sharding.PartitionSpec
 
 FACTORS = {
     "model": ["nnx", "linen", "equinox"],
-    "layout": ["replicated", "fsdp", "fsdp over two axes", "logical rules"],
+    "layout": ["replicated", "fsdp", "fsdp over two axes", "logical rules", "fsdp, whole model"],
     "policy": ["float32", "mixed_bfloat16", "mixed_float16", "float16", "mixed_fp8",
                "mixed_fp8_current", "p=f32,c=f16,fp8=delayed"],
     "accum": [1, 2],
@@ -170,6 +170,9 @@ def layout_kwargs(layout, mesh):
     return dict(mesh=mesh, batch_axis="data")
   if layout == "fsdp":
     return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.fsdp("data", min_size=1))
+  if layout == "fsdp, whole model":  # NNX models gather per layer by default
+    return dict(mesh=mesh, batch_axis="data",
+                param_sharding=jaxamp.fsdp("data", min_size=1, gather="model"))
   if layout == "fsdp over two axes":
     return dict(mesh=mesh, batch_axis="data",
                 param_sharding=jaxamp.fsdp(("data", "model"), min_size=1))
@@ -206,7 +209,9 @@ class Refused(Exception):
 
 
 def run(row, mesh):
-  """Trains ``row`` on ``mesh`` (None: one device): per-step records and the state."""
+  """Trains ``row`` on ``mesh`` (None: one device): per-step records, whether skipped
+  steps left the params bit-identical, the state, and whether the step gathered
+  parameters per layer."""
   try:
     train, state = made(row, mesh)
   except ValueError as e:
@@ -221,7 +226,7 @@ def run(row, mesh):
       after = [np.asarray(p) for p in jax.tree.leaves(state.params)]
       skips_exact &= all(np.array_equal(x, y, equal_nan=True) for x, y in zip(before, after))
     records.append((int(metrics["skipped_steps"]), float(metrics["loss_scale"])))
-  return records, skips_exact, state
+  return records, skips_exact, state, train.plan.layer_gather
 
 
 def replicas_agree(state):
@@ -256,8 +261,8 @@ def compare(row, mesh, references):
   except Refused as e:  # refused at make_train_step or init: say so, and why
     return {"refused": str(e)[:400]}
   try:
-    ref_records, ref_exact, ref_state = references[key]
-    records, exact, state = run(row, mesh)
+    ref_records, ref_exact, ref_state, _ = references[key]
+    records, exact, state, layer_gather = run(row, mesh)
   except Exception as e:  # pylint: disable=broad-except
     return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
   model_state = lambda s: [x for x in jax.tree.leaves(s.model_state)
@@ -270,6 +275,7 @@ def compare(row, mesh, references):
       "records": records, "reference_records": ref_records,
       "skips_exact": bool(exact and ref_exact),
       "replicas_agree": replicas_agree(state),
+      "layer_gather": layer_gather,
   }
 
 

@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from jaxamp.residuals import half_residuals, save_half_and_statistics
+from jaxamp.residuals import (gathers, half_residuals, save_all_but_gathers,
+                               save_half_and_statistics)
+from jaxamp.train.gather import Shard, gathered
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Bit-identical comparisons need XLA to round as the program says: with excess precision
@@ -42,6 +44,26 @@ def test_the_policy_saves_half_values_and_statistics(prim, dtypes, saved):
     dtypes, params = dtypes[:1], {"new_dtype": np.dtype(dtypes[1])}
   avals = [_aval((4, 4), d) for d in dtypes]
   assert save_half_and_statistics(prim, *avals, **params) is saved
+
+
+def test_gathered_parameters_and_barriers_are_recomputed_by_every_jaxamp_policy():
+  mesh = jax.make_mesh((1,), ("fsdp",))
+  shard = Shard.of(jax.P("fsdp"), (8,), mesh, ("fsdp",), F32)
+
+  def eqns(fn, *args):
+    closed = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+                                          check_vma=False))(*args)
+    return closed.jaxpr.eqns[0].params["jaxpr"].eqns
+
+  read = eqns(lambda x: gathered(x, shard, BF16), jnp.ones(8))[0]
+  other = eqns(lambda x: jax.nn.relu(x), jnp.ones(8))[0]  # a custom_jvp, no gather
+  barrier = eqns(lambda x: jax.lax.optimization_barrier(x) * 2, jnp.ones(8))[0]
+  assert gathers(read.primitive, read.params) and not gathers(other.primitive, other.params)
+  for policy in (save_half_and_statistics, save_all_but_gathers):
+    for eqn in (read, barrier):
+      avals = [v.aval for v in eqn.invars]
+      assert policy(eqn.primitive, *avals, **eqn.params) is False, (policy, eqn)
+  assert save_all_but_gathers(jax.lax.mul_p, _aval((4,), F32), _aval((4,), F32))
 
 
 def _norm_net(w, x):

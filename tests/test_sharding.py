@@ -17,9 +17,11 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 import jaxamp
 from jaxamp.sharding import Collective, collectives, fsdp, param_specs
+from jaxamp.train.gather import Shard, compiler_options
 
 P = jax.sharding.PartitionSpec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +85,67 @@ def test_bad_param_shardings_are_named():
   with pytest.raises(ValueError, match="batch_axis 'fsdp' is not an axis of the mesh"):
     jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp(),
                            mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
+
+
+def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_model():
+  with pytest.raises(ValueError, match=r"gather must be one of 'auto', 'layer', 'model', "
+                     r"got 'layers'"):
+    fsdp(gather="layers")
+  with pytest.raises(ValueError, match="gather must be one of"):
+    jaxamp.annotated(gather="per-layer")
+  assert [jaxamp.sharding.gather_of(s) for s in (fsdp(), fsdp(gather="model"),
+                                                 jaxamp.annotated(gather="layer"),
+                                                 {"w": P()})] == ["auto", "model", "layer",
+                                                                  "auto"]
+  mesh = jax.make_mesh((1,), ("fsdp",))
+
+  class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(x)
+
+  x = jnp.ones((2, 8))
+  variables = Dense().init(jax.random.key(0), x)
+  make = lambda gather: jaxamp.make_train_step(
+      lambda m, b: m(b).sum(), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
+      param_sharding=fsdp(min_size=1, gather=gather))
+  with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where an NNX "
+                     r"module reads it, but a Dense is not an NNX model\. Use gather='model'"):
+    make("layer").init(Dense(), variables, x)
+  auto = make("auto")
+  auto.init(Dense(), variables, x)
+  assert not auto.plan.layer_gather  # a Linen model: the whole model, at the step's start
+  nnx_step = make("auto")
+  nnx_step.init(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  assert nnx_step.plan.layer_gather
+
+
+def test_a_layer_of_a_stacked_slice_keeps_its_split_and_a_split_layer_axis_is_refused():
+  mesh = abstract_mesh((4,), ("fsdp",))
+  shard = Shard.of(P(None, "fsdp", None), (6, 8, 3), mesh, ("fsdp",), jnp.float32)
+  assert shard.shape == (6, 2, 3) and shard.spec == ((), ("fsdp",), ())
+  assert shard.of_slice((6, 2, 3)) is shard
+  layer = shard.of_slice((2, 3))  # nnx.scan over the leading axis
+  assert layer.spec == (("fsdp",), ()) and layer.shape == (2, 3)
+  assert shard.of_slice((6, 2)).spec == ((), ("fsdp",))  # a vmap over the last axis
+  split = Shard.of(P("fsdp", None), (8, 3), mesh, ("fsdp",), jnp.float32)
+  with pytest.raises(ValueError, match=r"split over the mesh along dimensions \[0\], was "
+                     r"read with shape \(3,\): not one layer of it along an unsplit dimension"):
+    split.of_slice((3,))
+  cube = Shard.of(P(None, "fsdp", None), (2, 8, 2), mesh, ("fsdp",), jnp.float32)
+  with pytest.raises(ValueError, match="not one layer of it"):  # the first or the last
+    cube.of_slice((2, 2))  # dimension taken out: the split is on the second or the first
+  assert Shard.of(P(), (5,), mesh, ("fsdp",), jnp.float32).sharded is False
+
+
+def test_per_layer_steps_keep_their_optimization_barriers_on_cpu():
+  cpu = jax.make_mesh((1,), ("fsdp",))
+  assert compiler_options(None, cpu) == {"xla_disable_hlo_passes": "cse_barrier_expander"}
+  mine = {"xla_disable_hlo_passes": "algsimp", "xla_cpu_use_thunk_runtime": True}
+  assert compiler_options(mine, cpu) == {
+      "xla_disable_hlo_passes": "algsimp,cse_barrier_expander",
+      "xla_cpu_use_thunk_runtime": True}
+  assert compiler_options(compiler_options(None, cpu), cpu) == compiler_options(None, cpu)
 
 
 def test_collectives_reads_hlo_and_stablehlo():
@@ -150,9 +213,11 @@ _EIGHT_DEVICES = textwrap.dedent("""
     assert local_bytes((adam.mu, adam.nu)) == 2 * local_bytes(state.params)
 
     # 2. Collectives, as lowered: params gathered in the compute dtype (bf16: half the
-    #    bytes of float32's), gradients reduce-scattered in grad_reduce_dtype.
-    def lowered(policy, compile=False, **more):
-      t = make(policy, FSDP, **more)
+    #    bytes of float32's), gradients reduce-scattered in grad_reduce_dtype. The whole
+    #    model gathered at the step's start: one all-gather per sharded param.
+    def lowered(policy, compile=False, gather='model', **more):
+      kw = dict(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16, gather=gather))
+      t = make(policy, kw, **more)
       low = t.lower(init(t, 'nnx', batchnorm=False), batches[0])
       if not compile:
         return collectives(low.as_text())
@@ -168,16 +233,35 @@ _EIGHT_DEVICES = textwrap.dedent("""
     assert len(ag32) == len(agbf) == 3 and {{c.dtype for c in ag32}} == {{'f32'}}, f32
     assert {{c.dtype for c in agbf}} == {{'bf16'}}, mixed
     assert sum(c.bytes for c in agbf) * 2 == sum(c.bytes for c in ag32) == 4 * 208, (ag32, agbf)
-    for found, dtype in [(f32, 'f32'), (mixed, 'f32'), (mixed16, 'bf16')]:
+
+    # Per layer (an NNX model's default): each param gathered where its module reads it,
+    # and the kernels again in the backward pass (the input gradients need them; the
+    # bias's does not); the same dtypes; one reduce-scatter per param.
+    layer32 = lowered('float32', gather='auto')
+    layerbf, layerbf_compiled = lowered('mixed_bfloat16', compile=True, gather='auto')
+    layer16 = lowered('mixed_bfloat16', gather='layer', grad_reduce_dtype=jnp.bfloat16)
+    kernels_twice = sorted([8 * 16, 8 * 16, 16, 16 * 4, 16 * 4])  # elements gathered
+    for found, size, dtype in [(layer32, 4, 'f32'), (layerbf, 2, 'bf16')]:
+      ag = pick(found, 'all-gather')
+      assert sorted(c.bytes // size for c in ag) == kernels_twice, found
+      assert {{c.dtype for c in ag}} == {{dtype}}, found
+    for found, dtype in [(f32, 'f32'), (mixed, 'f32'), (mixed16, 'bf16'), (layer32, 'f32'),
+                         (layerbf, 'f32'), (layer16, 'bf16')]:
       rs = pick(found, 'reduce-scatter')
       assert len(rs) == 3 and {{c.dtype for c in rs}} == {{dtype}}, found
       # the 'data' axis: an all-reduce of each scattered gradient, same dtype
       assert {{c.dtype for c in pick(found, 'all-reduce') if c.bytes > 4}} == {{dtype}}, found
     # Compiled for CPU: the same gathers and scatters (element counts) run; XLA:CPU
     # promotes bf16 collectives to f32, so the compiled dtypes are not asserted.
+    n = lambda cs: sorted(c.bytes // (2 if c.dtype == 'bf16' else 4) for c in cs)
     for op in ('all-gather', 'reduce-scatter'):
-      n = lambda cs: sorted(c.bytes // (2 if c.dtype == 'bf16' else 4) for c in cs)
       assert n(pick(mixed, op)) == n(pick(mixed_compiled, op)), (op, mixed, mixed_compiled)
+    # Per layer, the second layer's kernel is gathered twice there too (the backward
+    # pass's gather is not merged with the forward pass's); the first layer's second
+    # gather is dead code XLA drops (its input, the batch, needs no gradient).
+    assert n(pick(layerbf_compiled, 'all-gather')) == sorted([8 * 16, 16, 16 * 4, 16 * 4]), (
+        layerbf_compiled)
+    assert n(pick(layerbf, 'reduce-scatter')) == n(pick(layerbf_compiled, 'reduce-scatter'))
     print('COLLECTIVES', sorted(set(agbf)), sorted(set(pick(mixed16, 'reduce-scatter'))))
 
     # 3. Same training as one device; 4. an inf on one device skips the step exactly.
@@ -277,6 +361,52 @@ _EIGHT_DEVICES = textwrap.dedent("""
     for a, b in zip(leaves(expected), leaves(resumed)):
       np.testing.assert_array_equal(a, b)
 
+    # 10. Per layer under nnx.scan over stacked layers: each layer's slice gathered in
+    #     the scan body. Trains as one device; its compiled step needs less memory than
+    #     one gathering the whole model at its start (every layer gathered at once).
+    class Layer(nnx.Module):
+      def __init__(self, rngs):
+        self.lin = nnx.Linear(64, 64, rngs=rngs)
+      def __call__(self, h):
+        return jax.nn.relu(self.lin(h))
+
+    class Stack(nnx.Module):
+      def __init__(self, rngs):
+        self.inp = nnx.Linear(8, 64, rngs=rngs)
+        @nnx.split_rngs(splits=6)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def layers(rngs):
+          return Layer(rngs)
+        self.layers = layers(rngs)
+        self.out = nnx.Linear(64, 4, rngs=rngs)
+      def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, layer):
+          return layer(h)
+        return self.out(run(self.inp(x), self.layers))
+
+    peaks, out = {{}}, []
+    for gather in ('layer', 'model', None):
+      kw = {{}} if gather is None else dict(FSDP, param_sharding=jaxamp.fsdp(
+          'fsdp', min_size=16, gather=gather))
+      train = make('float32', kw)
+      state = train.init(Stack(nnx.Rngs(0)))
+      assert train.plan.layer_gather == (gather == 'layer')
+      if gather is not None:
+        mem = train.lower(state, batches[0]).compile().memory_analysis()
+        peaks[gather] = mem.temp_size_in_bytes
+        # the stacked kernels split along a layer's dimension, not the layer axis
+        assert spec(state.params['layers']['lin']['kernel']) == P(None, 'fsdp', None)
+      for b in batches[:2]:
+        state, metrics = train.step(state, b)
+      out.append(leaves(state.params))
+    for a, b in zip(out[0], out[2]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The six 64x64 float32 kernels gathered at once (96 KiB) are more than all the
+    # per-layer step's temporaries.
+    assert peaks['layer'] + 6 * 64 * 64 * 4 // 2 < peaks['model'], peaks
+    print('SCAN', peaks)
+
     # 9. eval_step (the runs of 3.)
     np.testing.assert_allclose(evals['single'], evals['fsdp'], rtol=1e-5)
     print('SHARDED-OK')
@@ -304,8 +434,10 @@ def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_pa
 
 # --- two processes ------------------------------------------------------------------------
 
-def test_two_processes_train_sharded_like_one(tmp_path):
-  """The README's launch commands: examples/sharded.py in 2 processes of 2 CPU devices."""
+@pytest.mark.parametrize("gather", ["layer", "model"])
+def test_two_processes_train_sharded_like_one(tmp_path, gather):
+  """The README's launch commands: examples/sharded.py in 2 processes of 2 CPU devices,
+  gathering each layer's params where it runs, or the whole model's at the start."""
   example = os.path.join(ROOT, "examples", "sharded.py")
   with socket.socket() as s:
     s.bind(("localhost", 0))
@@ -314,7 +446,7 @@ def test_two_processes_train_sharded_like_one(tmp_path):
              XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {_FAST_COMPILE}")
   procs = [subprocess.Popen([sys.executable, example, "--processes", "2", "--process-id",
                              str(i), "--coordinator", f"localhost:{port}", "--out",
-                             str(tmp_path / f"{i}.npz")],
+                             str(tmp_path / f"{i}.npz"), "--gather", gather],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
            for i in range(2)]
   logs = []
@@ -327,6 +459,8 @@ def test_two_processes_train_sharded_like_one(tmp_path):
         p.kill()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
   assert "process 1/2, 4 devices" in logs[1], logs[1]
+  where = {"layer": "per layer", "model": "whole model"}[gather]
+  assert all(f"gathered {where}" in log for log in logs), logs
   assert "'fsdp'" in logs[0]  # some params are sharded
   results = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
   spec = importlib.util.spec_from_file_location("sharded_example", example)

@@ -20,10 +20,10 @@ from jaxamp.casting import cast_leaf, is_floating_array, is_floating_dtype
 from jaxamp.census import scope_name
 from jaxamp.nnx._attention import half_dot_product_attention
 from jaxamp.nnx._plan import _base_class
-from jaxamp.nnx._variables import (_keep_dtype, _owned_variables, _read_as, _reads_as_compute,
-                                   _set_attr)
+from jaxamp.nnx._variables import (_gathered_on_read, _keep_dtype, _owned_variables, _read_as,
+                                   _reads_as_compute, _set_attr)
 from jaxamp.policy import Policy
-from jaxamp.residuals import recompute_all
+from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import resolve_policy
 
 
@@ -185,10 +185,15 @@ def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
 
 
 def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-  """``fn(module, *args, **kwargs)`` under ``jax.checkpoint``, the cast to ``compute``
-  inside it, so that reverse mode saves the narrower inputs rather than what ``fn``
-  computes from them.
+                args: tuple[Any, ...], kwargs: dict[str, Any],
+                policy: Callable[..., bool] = recompute_all, tied: bool = False) -> Any:
+  """``fn(module, *args, **kwargs)`` under ``jax.checkpoint`` with ``policy``, the cast
+  to ``compute`` inside it, so that reverse mode saves the narrower inputs rather than
+  what ``fn`` computes from them.
+
+  With ``tied`` (parameters gathered at their reads), the module's parameter slices pass
+  an ``optimization_barrier`` with its array inputs: the gathers wait for the module's
+  inputs, so the compiler cannot hoist every layer's gather to the step's start.
 
   The module runs as a copy merged inside the checkpoint; the Variables it updates
   (BatchNorm's statistics) are written back to ``module`` afterwards, through the
@@ -201,6 +206,8 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
 
   def run(params, others, arrays):
+    if tied:
+      params, arrays = jax.lax.optimization_barrier((params, arrays))
     copy = nnx.merge(graphdef, params, others, copy=True)
     before = {path: v.get_raw_value()
               for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
@@ -215,8 +222,8 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     updated[:] = [path for path, _ in new]
     return out, [value for _, value in new]
 
-  out, values = jax.checkpoint(run, policy=recompute_all)(params, others,
-                                                          [leaves[i] for i in where])
+  out, values = jax.checkpoint(run, policy=policy)(params, others,
+                                                   [leaves[i] for i in where])
   variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
   for path, value in zip(updated, values):
     variables[path].set_raw_value(value)
@@ -267,11 +274,15 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
   bridged = isinstance(module, nnx.bridge.ToNNX)
   _state.running.add(id(module))
   _state.stack.append(policy)
+  gathers = False  # whether it reads parameter slices gathered where read (FSDP)
   try:
     for variable in _owned_variables(module):
+      gathers = gathers or _gathered_on_read(variable)
       _keep_dtype(variable, undo)
       # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
-      if not gather and not bridged and _reads_as_compute(module, variable):
+      # A lookup reads a sharded table cast, then gathered: the rows it would cast.
+      if ((not gather or _gathered_on_read(variable)) and not bridged
+          and _reads_as_compute(module, variable)):
         _read_as(variable, compute, undo)
     if bridged:
       _set_attr(module, _flax_compat.TONNX_MODULE,
@@ -295,6 +306,11 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
     def run() -> Any:
       if fn in _RECOMPUTED and call.recompute_norms and _widens(args, kwargs, compute):
         return _recomputed(module, fn, compute, args, kwargs)
+      if gathers:
+        # Its own checkpoint: inside an nnx.scan body, the backward pass then gathers
+        # each layer's parameters again in that layer's step, not all layers' up front.
+        return _recomputed(module, fn, compute, args, kwargs, regather_policy(compute),
+                           tied=True)
       return fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
 
     scope = vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None

@@ -19,6 +19,7 @@ from jaxamp import _flax_compat
 from jaxamp._flax_compat import NNX_BOOKKEEPING_PREFIX, set_attr_unchecked
 from jaxamp.casting import is_floating_array, read_as
 from jaxamp.rules import is_named_attention
+from jaxamp.train.gather import gathered
 
 _MISSING = object()
 
@@ -118,6 +119,9 @@ def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], No
   stored = _float_dtype(_stored_value(variable))
   if meta is None or stored is None or stored == dtype:
     return
+  if _SHARD in meta:  # a slice gathered at its read: gathered in ``dtype``
+    _set_meta(variable, _GATHER_DTYPE, dtype, undo)
+    return
   previous = meta.get(_GET_VALUE_HOOKS, _MISSING)
   hooks = () if previous is _MISSING else (
       previous if isinstance(previous, tuple) else (previous,))
@@ -134,6 +138,58 @@ def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], No
       current[_GET_VALUE_HOOKS] = previous
 
   undo.append(restore)
+
+
+def _set_meta(variable: nnx.Variable, key: str, value: Any,
+              undo: list[Callable[[], None]]) -> None:
+  previous = _metadata(variable).get(key, _MISSING)
+  _metadata(variable)[key] = value
+
+  def restore() -> None:
+    current = _metadata(variable)  # NNX transforms may have replaced the dict
+    if current is None:
+      return
+    if previous is _MISSING:
+      current.pop(key, None)
+    else:
+      current[key] = previous
+
+  undo.append(restore)
+
+
+# --- parameters gathered where they are read (FSDP, gather='layer') -------------------------
+
+# Metadata of a sharded parameter's slice: its Shard, and the dtype the module reading it
+# now computes in (set for the call by _read_as; absent: the stored dtype).
+_SHARD = "jaxamp_shard"
+_GATHER_DTYPE = "jaxamp_gather_dtype"
+
+
+def _gather_on_read(variable: nnx.Variable, value: Any) -> Any:
+  """An ``on_get_value`` hook: the slice ``value`` gathered over the mesh."""
+  meta = _metadata(variable)
+  dtype = meta.get(_GATHER_DTYPE) or value.dtype
+  return gathered(value, meta[_SHARD].of_slice(value.shape), dtype)
+
+
+def _gathered_on_read(variable: nnx.Variable) -> bool:
+  meta = _metadata(variable)
+  return meta is not None and _SHARD in meta
+
+
+def gather_on_read(variable: nnx.Variable, shard: Any) -> None:
+  """Makes the parameter slice ``variable`` (inside the step's ``shard_map``) read as the
+  whole parameter, all-gathered (:func:`jaxamp.train.gather.gathered`), in the compute
+  dtype of the module reading it; its gradient leaves reduce-scattered. For the
+  Variables of a model bound for one step: nothing is undone."""
+  meta = _metadata(variable)
+  if meta is None:
+    raise ValueError("gather='layer' needs NNX Variables with metadata; this one is a "
+                     f"{type(variable).__name__} without: use gather='model'.")
+  meta[_SHARD] = shard
+  hooks = meta.get(_GET_VALUE_HOOKS, ())
+  meta[_GET_VALUE_HOOKS] = (tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)) + (
+      _gather_on_read,)
 
 
 def _keep_dtype(variable: nnx.Variable, undo: list[Callable[[], None]]) -> None:

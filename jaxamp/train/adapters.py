@@ -23,6 +23,7 @@ from flax import nnx
 from jaxamp import fp8 as fp8_lib
 from jaxamp import nnx as amp_nnx
 from jaxamp.casting import cast_floating
+from jaxamp.nnx._variables import gather_on_read
 from jaxamp.rules import path_name
 from jaxamp.train.loss import F32
 from jaxamp.train.state import TrainState
@@ -69,13 +70,18 @@ class NNXAdapter:
     ``nnx.merge`` takes them back with the graphdef."""
     return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
-  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
+    """``shards`` (``gather='layer'``, inside the step's ``shard_map``): each param
+    leaf's :class:`~jaxamp.train.gather.Shard`; ``params`` are then this device's slices,
+    and each sharded one is gathered where a module reads it."""
     del rng  # NNX models carry their RNG streams in model_state
 
     # merge() reuses the State's Variable objects; rebuilding them here puts them at this
     # trace level, so the model may update BatchNorm statistics and RNG counts under grad.
     params, model_state = jax.tree.map(lambda x: x, (params, model_state))
     model = nnx.merge(self.graphdef, params, model_state)
+    if shards is not None:
+      _gather_on_read(model, params, shards)
     fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
     if not train:
       model.eval()
@@ -86,6 +92,17 @@ class NNXAdapter:
 
   def model(self, state: TrainState) -> nnx.Module:
     return nnx.merge(self.graphdef, state.params, state.model_state)
+
+
+def _gather_on_read(model: nnx.Module, params: Any, shards: tuple[Any, ...]) -> None:
+  """Each sharded ``nnx.Param`` of ``model`` read gathered (:func:`gather_on_read`)."""
+  paths = [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  by_path = dict(zip(paths, shards))
+  for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    shard = by_path[tuple(path)]
+    if shard.sharded:
+      gather_on_read(variable, shard)
 
 
 @dataclasses.dataclass

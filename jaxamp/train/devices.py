@@ -20,15 +20,14 @@ device leaves with the same values. Without a mesh it is the gradient stage itse
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import is_floating_array
-from jaxamp.train import layout
+from jaxamp.casting import cast_floating
+from jaxamp.train import gather, layout
 from jaxamp.train.gradients import loss_and_grads
 from jaxamp.train.loss import F32, combine_aux
 from jaxamp.train.plan import Plan
@@ -78,17 +77,27 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
+  out_dtypes = [F32 if plan.master_weights else p.dtype for p in jax.tree.leaves(state.params)]
 
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)
-    full = _gather(plan, params)
+    if plan.layer_gather:
+      # The slices go in; each read gathers its parameter and each gradient leaves its
+      # read reduce-scattered (gather.gathered). Slices of half params are widened
+      # first, so their gradients come back float32, as the whole-model path's do.
+      inputs = cast_floating(params, F32) if plan.master_weights else params
+    else:
+      inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
     changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, full, keys, batch, rng, scale / n, fp8, keep_float32=True, fp8_axes=axes,
+        plan, inputs, keys, batch, rng, scale / n, fp8, keep_float32=True, fp8_axes=axes,
         changed=changed)
-    return (_reduce_scatter(plan, grads, params),
-            *_reduce(plan, loss, aux, _shared_keys(new_state, model_state), model_state,
-                     changed), new_fp8)
+    if plan.layer_gather:
+      grads = _reduce_replicated(plan, grads, out_dtypes)
+    else:
+      grads = gather.reduce_all(plan.shards, grads, out_dtypes)
+    return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
+                            model_state, changed), new_fp8)
 
   specs = plan.param_specs
   sharded = jax.shard_map(local, mesh=plan.mesh,
@@ -96,6 +105,15 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                           out_specs=(specs, P(), P(), P(), P()), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
                  scale, state.fp8)
+
+
+def _reduce_replicated(plan: Plan, grads: Any, dtypes: list[Any]) -> Any:
+  """Under ``gather='layer'``: the gradients of replicated parameters (read as they are,
+  not gathered) summed over the batch axes; the sharded ones left their reads reduced."""
+  leaves, treedef = jax.tree.flatten(grads)
+  return treedef.unflatten([
+      (g if shard.sharded else gather.reduce_all([shard], [g], [dt])[0]).astype(dt)
+      for g, shard, dt in zip(leaves, plan.shards, dtypes)])
 
 
 def _reduce(plan: Plan, loss: jax.Array, aux: Any, model_state: Any, old_state: Any,
@@ -151,50 +169,3 @@ def _per_device_keys(rng: jax.Array, model_state: Any, axes: Any) -> tuple[jax.A
 def _shared_keys(new_state: Any, model_state: Any) -> Any:
   """``new_state`` with the model's PRNG keys as they were before the per-device fold."""
   return jax.tree.map(lambda n, o: o if is_key(o) else n, new_state, model_state)
-
-
-def _gather(plan: Plan, params: Any) -> Any:
-  """Inside shard_map: each param slice cast to its compute dtype, then all-gathered."""
-  leaves, treedef = jax.tree.flatten(params)
-  specs = treedef.flatten_up_to(plan.param_specs)
-  out = []
-  for x, spec, dtype in zip(leaves, specs, plan.gather_dtypes):
-    x = x.astype(dtype) if is_floating_array(x) else x
-    for d, entry in enumerate(spec):
-      if entry is not None:
-        x = jax.lax.all_gather(x, sharding_lib.axis_names(entry), axis=d, tiled=True)
-    out.append(x)
-  return treedef.unflatten(out)
-
-
-def _reduce_scatter(plan: Plan, grads: Any, params: Any) -> Any:
-  """Inside shard_map: each full local gradient cast to ``grad_reduce_dtype``, summed
-  over the batch axes and scattered to its param's layout (each device's loss was
-  weighted by one over the number of devices, so the sum is the mean)."""
-  mesh, axes = plan.mesh, plan.options.batch_axes
-  leaves, treedef = jax.tree.flatten(grads)
-  specs = treedef.flatten_up_to(plan.param_specs)
-  out = []
-  for g, spec, p in zip(leaves, specs, jax.tree.leaves(params)):
-    out_dtype = F32 if plan.master_weights else p.dtype
-    g = g.astype(plan.options.grad_reduce_dtype)
-    summed: tuple[str, ...] = ()
-    for d, entry in enumerate(spec):
-      # An entry's axes split the dimension major to minor; each run of batch axes is
-      # summed and scattered, each run of other axes (storage only: every device along
-      # them has the same gradient) sliced, in that order. An entry may mix both kinds
-      # (('data', 'model') with batch axis 'data').
-      for is_batch, run in itertools.groupby(sharding_lib.axis_names(entry),
-                                             key=lambda a: a in axes):
-        names = tuple(run)
-        if is_batch:
-          g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
-          summed += names
-        else:
-          size = g.shape[d] // sharding_lib.axis_size(mesh, names)
-          g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(names) * size, size, d)
-    rest = tuple(a for a in axes if a not in summed)
-    if rest:
-      g = jax.lax.psum(g, rest)
-    out.append(g.astype(out_dtype))
-  return treedef.unflatten(out)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
-from jaxamp.residuals import half_residuals
+from jaxamp.residuals import checkpointed, half_residuals, save_all_but_gathers
 from jaxamp.rules import asks_for_fp8, leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
@@ -39,15 +39,18 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
     # current scaling (all inside scans, say) warn.
     record = bool(f8) or asks_for_fp8(options.policy)
     with fp8_lib.state_scope(f8, record=record) as scope:
-      model, new_state = plan.adapter.bind(p, ms, key, options.policy, train=True,
-                                           float32_outputs=options.float32_outputs)
+      model, new_state = plan.adapter.bind(
+          p, ms, key, options.policy, train=True, float32_outputs=options.float32_outputs,
+          **({"shards": plan.shards} if plan.layer_gather else {}))
       loss, aux = split_loss(call_user(options.loss_fn, model, mb), options.has_aux)
       used.update(scope.used if scope is not None else ())
     return loss * weight, (loss, aux, new_state())
 
   loss = autocast_under_level(options, scaled_loss, batch_argnum=3)
   if plan.half_residuals:
-    loss = half_residuals(loss)
+    loss = half_residuals(loss)  # its policy gathers parameters again, too
+  elif plan.layer_gather:  # the parameters gathered at their reads are gathered again
+    loss = checkpointed(loss, save_all_but_gathers)
   raw_grad_fn = jax.grad(loss, argnums=(0, 1), has_aux=True)
 
   def grad_fn(p, f8, ms, mb, key):

@@ -30,6 +30,7 @@ from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name
                           warn_unmatched_path_rules)
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
+from jaxamp.train.gather import Shard
 from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
@@ -223,6 +224,24 @@ def _linen_census(options: Options, model: Any, variables: Any, example_args: tu
   return ops, modules
 
 
+def _gathers_per_layer(options: Options, adapter: Any, model: Any) -> bool:
+  """Whether the sharded step gathers each parameter where it is read (``gather``
+  ``'layer'``, or ``'auto'`` where the model supports it): NNX models, whose parameter
+  reads jaxamp sees (Variable hooks), without bridged Linen modules (which read their
+  parameters as a whole)."""
+  gather = sharding_lib.gather_of(options.param_sharding)
+  why = None
+  if not isinstance(adapter, NNXAdapter):
+    why = f"a {type(model).__name__} is not an NNX model"
+  elif any(isinstance(node, nnx.bridge.ToNNX) for _, node in nnx.iter_graph(model)):
+    why = "the model holds bridged Linen modules (nnx.bridge.ToNNX)"
+  if gather == "layer" and why is not None:
+    raise ValueError(f"gather='layer' gathers each parameter where an NNX module reads "
+                     f"it, but {why}. Use gather='model' (or 'auto'): the whole model "
+                     "gathered at the step's start.")
+  return gather != "model" and why is None
+
+
 def _computes_in_half(options: Options, rows: list[Any] | None) -> bool:
   """Whether some module computes narrower than float32 (the model-level policy where
   the modules are not known), or the opt level autocasts."""
@@ -255,8 +274,15 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   reductions = _state_reductions(options, model_state) if options.mesh is not None else None
   if isinstance(split.adapter, NNXAdapter):  # the Variables' types and metadata are read
     params, model_state, specs = map(NNXAdapter.plain, (params, model_state, specs))
+  shards, layer_gather = None, False
   if specs is not None:
     gather_dtypes = _gather_dtypes(params, rows, split.holders)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
+        x, jax.sharding.PartitionSpec))
+    shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
+                            options.grad_reduce_dtype)
+                   for s, x in zip(spec_leaves, jax.tree.leaves(params)))
+    layer_gather = _gathers_per_layer(options, split.adapter, model)
   master_weights = options.master_weights
   if master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
@@ -286,6 +312,6 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
               unit_scale=built.unit_scale, overflow=built.overflow,
               fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                            if split.fp8_rows is not None else {}),
-              param_specs=specs, gather_dtypes=gather_dtypes, rules=rules,
-              state_reductions=reductions)
+              param_specs=specs, gather_dtypes=gather_dtypes, shards=shards,
+              layer_gather=layer_gather, rules=rules, state_reductions=reductions)
   return state, plan

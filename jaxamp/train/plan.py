@@ -125,7 +125,12 @@ class Plan:
       second update told the gradients are not finite).
     fp8_recipes: ``{module path: recipe}`` of the FP8 modules with delayed state.
     param_specs: with ``param_sharding``, the ``PartitionSpec`` of each param; else None.
-    gather_dtypes: with ``param_sharding``, the dtype each param leaf is gathered in.
+    gather_dtypes: with ``param_sharding``, the dtype each param leaf is gathered in
+      (by ``gather='model'``, and by the eval step).
+    shards: with ``param_sharding``, each param leaf's
+      :class:`~jaxamp.train.gather.Shard` (in ``jax.tree.leaves`` order).
+    layer_gather: with ``param_sharding``, whether each parameter is gathered where a
+      module reads it (``gather='layer'``) rather than all at the step's start.
     state_shardings: with ``param_sharding``, the sharding of each state leaf.
     narrow_reads: parameter reads record their half-precision cotangents (turned off
       when ``loss_fn`` takes forward-mode derivatives over the parameters).
@@ -147,6 +152,8 @@ class Plan:
   fp8_recipes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   param_specs: Any = None
   gather_dtypes: tuple[Any, ...] | None = None
+  shards: tuple[Any, ...] | None = None
+  layer_gather: bool = False
   state_shardings: Any = None
   narrow_reads: bool = True
   rules: Mapping[Any, Any] | None = None

@@ -19,7 +19,7 @@ import optax
 from jaxamp import policy as policy_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import init as init_lib
-from jaxamp.train import layout
+from jaxamp.train import gather, layout
 from jaxamp.train import step as step_lib
 from jaxamp.train.monitor import SkipStreaks, deferred_full_collections
 from jaxamp.train.plan import Options, Plan
@@ -193,7 +193,10 @@ class TrainStep:
     plan = self.plan
     donate = (0,) if self.options.donate else ()
     eval_impl = functools.partial(step_lib.eval_step, plan)
-    jit = functools.partial(jax.jit, compiler_options=self.options.compiler_options)
+    options = self.options.compiler_options
+    if plan.layer_gather:
+      options = gather.compiler_options(options, plan.mesh)
+    jit = functools.partial(jax.jit, compiler_options=options)
     if plan.mesh is None:
       self._step_jit = jit(self._step_impl, donate_argnums=donate)
       self._eval_jit = jit(eval_impl)

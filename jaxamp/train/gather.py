@@ -1,0 +1,193 @@
+"""Where a sharded step gathers its parameters: all at its start, or each where it is read.
+
+Under ``param_sharding`` each device stores a slice of every sharded parameter. Inside
+the step's ``shard_map`` a slice is cast to the dtype its reader computes in and
+all-gathered (the forward pass), and the parameter's gradient is cast to
+``grad_reduce_dtype``, summed over the batch axes and scattered back to the slice's
+layout (the backward pass). Two places to do it:
+
+- ``gather='model'``: every parameter at the start of the step, every gradient at its
+  end (:func:`gather_all`, :func:`reduce_all`). Simple, one collective per parameter,
+  but each device holds the whole model gathered, and its whole gradient, at once:
+  ZeRO-3 storage with ZeRO-1's peak.
+- ``gather='layer'``: each parameter where a module reads it (:func:`gathered`: one
+  ``jax.custom_vjp`` whose backward pass is the reduce-scatter), so one layer's
+  parameters are live at a time, and its gradient leaves the layer reduce-scattered.
+  Under ``nnx.scan`` over stacked layers a read inside the body gathers one layer's
+  slice. The gathered values are not saved for the backward pass: the step's
+  checkpoint policy (:func:`jaxamp.residuals.gathers`) has them gathered again there, as PyTorch FSDP
+  and MaxText do.
+
+Example:
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jaxamp.train.gather import Shard
+  >>> mesh = jax.make_mesh((1,), ('fsdp',))
+  >>> shard = Shard.of(jax.P(None, None, 'fsdp'), (24, 8, 512), mesh, ('fsdp',), jnp.float32)
+  >>> shard.spec, shard.of_slice((8, 512)).spec  # one layer of 24 stacked ones
+  (((), (), ('fsdp',)), ((), ('fsdp',)))
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxamp import sharding as sharding_lib
+from jaxamp.casting import is_floating_array
+
+__all__ = ["Shard", "gathered", "gather_all", "reduce_all", "compiler_options"]
+
+# XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
+# subexpression elimination, which then merges each re-gather of the backward pass with
+# the forward pass's gather of the same slice: every layer's gathered parameters stay
+# live from the forward pass to the backward pass (a 24-layer LM on 8 devices: 442 MiB
+# per device against 168 MiB with the barriers kept; benchmarks/fsdp). jax.checkpoint
+# puts those barriers there for this very reason; GPU and TPU keep them.
+_KEEP_BARRIERS = ("xla_disable_hlo_passes", "cse_barrier_expander")
+
+
+class Shard(NamedTuple):
+  """How one parameter is split over the mesh and how its gradient is reduced: what a
+  read needs to gather it (hashable: it rides in an NNX Variable's metadata).
+
+  Attributes:
+    spec: per dimension of the stored slice, the mesh axes splitting it (major first).
+    batch_axes: the mesh axes the batch is split over: a gradient is summed over them.
+    sizes: ``(axis, size)`` of every mesh axis.
+    reduce_dtype: the dtype gradients are summed in (``grad_reduce_dtype``).
+    shape: the shape of one device's slice.
+  """
+
+  spec: tuple[tuple[str, ...], ...]
+  batch_axes: tuple[str, ...]
+  sizes: tuple[tuple[str, int], ...]
+  reduce_dtype: np.dtype
+  shape: tuple[int, ...]
+
+  @classmethod
+  def of(cls, spec: jax.sharding.PartitionSpec, shape: Sequence[int],
+         mesh: jax.sharding.Mesh, batch_axes: Sequence[str], reduce_dtype: Any) -> Shard:
+    """The Shard of a parameter of (global) ``shape`` laid out by ``spec``."""
+    names = [sharding_lib.axis_names(e) for e in spec]
+    names += [()] * (len(shape) - len(names))
+    local = tuple(n // sharding_lib.axis_size(mesh, e) for n, e in zip(shape, names))
+    return cls(tuple(names), tuple(batch_axes), tuple(mesh.shape.items()),
+               np.dtype(reduce_dtype), local)
+
+  @property
+  def sharded(self) -> bool:
+    return any(self.spec)
+
+  def of_slice(self, shape: Sequence[int]) -> Shard:
+    """The layout of a read of ``shape``: the stored slice itself, or one layer of it
+    (``nnx.scan`` / ``nnx.vmap`` over stacked layers hand their body the slice with the
+    layer dimension, or dimensions, taken out).
+
+    Raises:
+      ValueError: if the dimensions taken out are split over the mesh (each layer would
+        live on other devices), or if which ones were taken out is ambiguous.
+    """
+    shape, full = tuple(shape), self.shape
+    if shape == full:
+      return self
+    k = len(full) - len(shape)
+    found = {tuple(e for i, e in enumerate(self.spec) if i not in out)
+             for out in itertools.combinations(range(len(full)), max(k, 0))
+             if tuple(n for i, n in enumerate(full) if i not in out) == shape
+             and not any(self.spec[i] for i in out)} if k > 0 else set()
+    if len(found) != 1:
+      split = [d for d, e in enumerate(self.spec) if e]
+      raise ValueError(
+          f"A parameter slice of shape {full}, split over the mesh along dimensions "
+          f"{split}, was read with shape {shape}: not one layer of it along an unsplit "
+          "dimension (an nnx.scan/nnx.vmap over stacked layers may only slice a "
+          "dimension the mesh does not split; jaxamp.fsdp splits the largest one). Give "
+          "the specs yourself, or gather='model'.")
+    return self._replace(spec=found.pop(), shape=shape)
+
+
+def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
+  for d, names in enumerate(spec):
+    if names:
+      x = jax.lax.all_gather(x, names, axis=d, tiled=True)
+  return x
+
+
+def _reduce_slice(g: jax.Array, shard: Shard) -> jax.Array:
+  """Inside shard_map: a full local gradient cast to ``reduce_dtype``, summed over the
+  batch axes and scattered to the slice's layout (each device's loss was weighted by one
+  over the number of devices, so the sum is the mean)."""
+  sizes = dict(shard.sizes)
+  axes = shard.batch_axes
+  g = g.astype(shard.reduce_dtype)
+  summed: tuple[str, ...] = ()
+  for d, names in enumerate(shard.spec):
+    # An entry's axes split the dimension major to minor; each run of batch axes is
+    # summed and scattered, each run of other axes (storage only: every device along
+    # them has the same gradient) sliced, in that order. An entry may mix both kinds
+    # (('data', 'model') with batch axis 'data').
+    for is_batch, run in itertools.groupby(names, key=lambda a: a in axes):
+      run = tuple(run)
+      if is_batch:
+        g = jax.lax.psum_scatter(g, run, scatter_dimension=d, tiled=True)
+        summed += run
+      else:
+        size = g.shape[d] // int(np.prod([sizes[a] for a in run]))
+        g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(run) * size, size, d)
+  rest = tuple(a for a in axes if a not in summed)
+  return jax.lax.psum(g, rest) if rest else g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gathered(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
+  """Inside ``shard_map``: the slice ``x`` cast to ``dtype`` and all-gathered; its
+  gradient is the full gradient reduce-scattered in ``shard.reduce_dtype`` (returned in
+  ``x``'s dtype)."""
+  return _gather_slice(x.astype(dtype), shard.spec)
+
+
+def _gathered_fwd(x: jax.Array, shard: Shard, dtype: Any) -> tuple[jax.Array, Any]:
+  # No residual: the stored dtype travels as a zero-size array.
+  return gathered(x, shard, dtype), jax.numpy.zeros((0,), x.dtype)
+
+
+def _gathered_bwd(shard: Shard, dtype: Any, stored: Any, ct: jax.Array) -> tuple[jax.Array]:
+  del dtype
+  return (_reduce_slice(ct, shard).astype(stored.dtype),)
+
+
+gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def gather_all(shards: Sequence[Shard], dtypes: Sequence[Any], params: Any) -> Any:
+  """Inside shard_map (``gather='model'``): every param slice cast to its dtype in
+  ``dtypes``, then all-gathered."""
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([
+      _gather_slice(x.astype(dt) if is_floating_array(x) else x, s.spec)
+      for x, s, dt in zip(leaves, shards, dtypes)])
+
+
+def reduce_all(shards: Sequence[Shard], grads: Any, dtypes: Sequence[Any]) -> Any:
+  """Inside shard_map: each full local gradient reduced to its slice (see
+  :func:`gathered`), returned in its dtype in ``dtypes``."""
+  leaves, treedef = jax.tree.flatten(grads)
+  return treedef.unflatten([_reduce_slice(g, s).astype(dt)
+                            for g, s, dt in zip(leaves, shards, dtypes)])
+
+
+def compiler_options(options: Any, mesh: jax.sharding.Mesh) -> Any:
+  """The XLA options of a step gathering per layer on ``mesh``: ``options`` (the
+  user's, or None) and, on CPU devices, the optimization barriers kept."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return options
+  key, value = _KEEP_BARRIERS
+  out = dict(options or {})
+  passes = [p for p in str(out.get(key, "")).split(",") if p]
+  out[key] = ",".join(passes + [value] if value not in passes else passes)
+  return out
