@@ -1,12 +1,14 @@
-"""Per-device memory of a sharded train step as the model deepens (issue 33's baseline).
+"""Per-device memory and step time of a sharded train step as the model deepens.
 
 Two transformer LMs (:data:`CONFIGS`: the CPU benchmark LM, whose activations outweigh
 its parameters, and a wider one on short sequences, whose parameters outweigh its
 activations), each as :class:`benchmarks.models.GPT` (unrolled) and
 :class:`benchmarks.models.ScanGPT` (blocks stacked and run by ``nnx.scan``), at several
 depths, trained under ``mixed_bfloat16`` with Adam on a mesh of 8 devices, data
-parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp')``). Nothing
-runs: each step is lowered and compiled, and per device it reads
+parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp', gather=...)``)
+gathering the whole model at the step's start (``'model'``) or each parameter where a
+module reads it (``'layer'``). For the memory tables nothing runs: each step is lowered
+and compiled, and per device it reads
 
 - XLA's ``memory_analysis()`` of the compiled step: arguments, outputs, temporaries and
   the donated (aliased) bytes; **peak** is arguments + outputs + temporaries − aliased,
@@ -19,8 +21,12 @@ runs: each step is lowered and compiled, and per device it reads
 **growth / layer** is the peak's increase per added layer since the next smaller depth;
 a step that gathers each layer's parameters when it runs grows by about one layer's
 gathered parameters plus its activations per layer, one that gathers the whole model by
-a layer's gathered parameters more. On CPU, fake the devices (the script does, unless
-``XLA_FLAGS`` already sets a count)::
+a layer's gathered parameters more.
+
+The time table runs ``train.step`` of the two FSDP layouts at ``--time-layers`` layers,
+interleaved (``benchmarks.measure``), and gives per-layer's step time over whole-model's:
+the median of the per-round ratios and its 95 % bootstrap interval. On CPU, fake the
+devices (the script does, unless ``XLA_FLAGS`` already sets a count)::
 
     python benchmarks/fsdp_memory.py --out benchmarks/fsdp
 """
@@ -48,6 +54,7 @@ import optax  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
 
 import jaxamp  # pylint: disable=g-import-not-at-top
+from benchmarks import measure as measure_lib  # pylint: disable=g-import-not-at-top
 from benchmarks import models, report  # pylint: disable=g-import-not-at-top
 from jaxamp.sharding import collectives  # pylint: disable=g-import-not-at-top
 
@@ -120,25 +127,80 @@ def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
   return row
 
 
+def _candidate(kind: str, layout: str, mesh: jax.sharding.Mesh,
+               cfg: models.LMConfig) -> measure_lib.Candidate:
+  train = _step(layout, mesh)
+  state = train.init(KINDS[kind](cfg, rngs=nnx.Rngs(0)))
+  batch = jax.device_put(models.lm_batch(cfg), train.plan.batch_sharding())
+  return measure_lib.Candidate("jaxamp", f"{kind}, {layout}", train.step, state, batch,
+                               items=cfg.tokens, call=train.step, trace=train.trace)
+
+
+def time_layouts(mesh: jax.sharding.Mesh, configs: dict[str, models.LMConfig], layers: int,
+                 rounds: int) -> list[dict[str, Any]]:
+  """Per-layer FSDP's step time over whole-model's, each model kind and config."""
+  rows = []
+  for title, cfg in configs.items():
+    cfg = models.LMConfig(cfg.vocab, cfg.dim, cfg.heads, layers, cfg.seq_len, cfg.batch)
+    for kind in KINDS:
+      found = measure_lib.measure(
+          [_candidate(kind, layout, mesh, cfg) for layout in ("fsdp (layer)", "fsdp (model)")],
+          warmup=2, rounds=rounds, steps=3, aot=False, inspect=False, group=2)
+      ratio, low, high = report.paired_ratio(*found)
+      rows.append({"config": title, "kind": kind, "layers": layers,
+                   "layer_ms": 1e3 * found[0].step_s, "model_ms": 1e3 * found[1].step_s,
+                   "ratio": ratio, "low": low, "high": high})
+  return rows
+
+
 def _mib(b: float | None) -> str:
   return "—" if b is None else f"{b / 2**20:.2f}"
+
+
+def _args_growth(rows: list[dict[str, Any]], kind: str, layout: str) -> float | None:
+  """The arguments' growth per layer between the two deepest rows of ``kind, layout``."""
+  mine = sorted((r for r in rows if r["kind"] == kind and r["layout"] == layout),
+                key=lambda r: r["layers"])
+  if len(mine) < 2:
+    return None
+  a, b = mine[-2], mine[-1]
+  return (b["args"] - a["args"]) / (b["layers"] - a["layers"])
+
+
+def time_markdown(rows: list[dict[str, Any]], devices: int) -> list[str]:
+  lines = [
+      "## Step time: per layer over whole model", "",
+      f"`train.step` on {devices} CPU devices (one process, so the collectives are "
+      "memory copies and the ratio weighs the extra work, not the network), interleaved "
+      "rounds of 3 steps; the ratio is the median of the per-round ratios with its 95 % "
+      "bootstrap interval.", "",
+      "| model | kind | layers | per layer ms | whole model ms | ratio | 95 % interval |",
+      "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+  for r in rows:
+    lines.append(f"| {r['config']} | {r['kind']} | {r['layers']} | {r['layer_ms']:.1f} | "
+                 f"{r['model_ms']:.1f} | {r['ratio']:.3f} | {r['low']:.3f}–{r['high']:.3f} |")
+  return lines + [""]
 
 
 def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
              configs: dict[str, models.LMConfig]) -> str:
   lines = [
-      "# Sharded train step: per-device memory as the model deepens (issue 33)", "",
+      "# Sharded train step: per-device memory and step time as the model deepens", "",
       f"Measured {info['date']} on {info['cpu']} ({info['cpu_cores']} cores, "
       f"{info['backend']} × {info['device_count']}), jax {info['versions']['jax']}, flax "
       f"{info['versions']['flax']}, git {info['git']}: `{info['command']}`.", "",
       f"`{POLICY}`, AdamW, mesh of {DEVICES} devices on axis `fsdp`, the batch split over "
-      "them; compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
+      "them; layouts: data parallel, FSDP gathering the whole model at the step's start "
+      "(`gather='model'`), FSDP gathering each parameter where a module reads it "
+      "(`gather='layer'`). Compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
       "(**peak** = arguments + outputs + temporaries − donated aliases); **gathered "
       "model** / **block**: the parameters in the dtypes the step gathers them in; "
       "**growth / layer**: the peak's increase per added layer from the row above (same "
-      "kind and layout); **block grad**: one block's gradient in float32, as the step "
-      "holds it before the reduce-scatter. **all-gathers**: in the lowered program, with "
-      "their dtypes.", ""]
+      "kind and layout); **block grad**: one block's gradient in float32, as a "
+      "whole-model step holds it before the reduce-scatter. **all-gathers**: in the "
+      "lowered program, with their dtypes (per layer: once in the forward pass and again "
+      "in the backward pass where the backward pass needs the parameter; XLA:CPU then "
+      "runs them in float32, which it promotes bfloat16 collectives to).", ""]
   for title, rows in tables.items():
     cfg = configs[title]
     lines += [
@@ -166,14 +228,15 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
     for kind in KINDS:
       by = {r["layout"]: r for r in rows if r["kind"] == kind and r["layers"] == deepest}
       if len(by) == len(LAYOUTS):
-        dp, fs = by["data parallel"], by["fsdp"]
+        dp, whole, layer = by["data parallel"], by["fsdp (model)"], by["fsdp (layer)"]
         lines.append(
-            f"- {kind}, {deepest} layers: FSDP peak {_mib(fs['peak'])} MiB, "
-            f"{fs['peak'] / dp['peak']:.2f}× data parallel's; the whole model gathered "
-            f"is {_mib(fs['gathered_model'])} MiB of it "
-            f"({fs['gathered_model'] / fs['peak']:.0%}). Its peak grows by "
-            f"{_mib(fs['growth'])} MiB per layer; one block gathered and its float32 "
-            f"gradient are {_mib(fs['gathered_block'] + fs['block_grad_f32'])} MiB.")
+            f"- {kind}, {deepest} layers: per-layer FSDP peak {_mib(layer['peak'])} MiB, "
+            f"**{layer['peak'] / whole['peak']:.2f}×** whole-model FSDP's "
+            f"({_mib(whole['peak'])} MiB) and {layer['peak'] / dp['peak']:.2f}× data "
+            f"parallel's; it grows by {_mib(layer['growth'])} MiB per layer (whole-model: "
+            f"{_mib(whole['growth'])}), of which the sharded arguments (params, Adam "
+            f"moments) are {_mib(_args_growth(rows, kind, 'fsdp (layer)'))}; one block "
+            f"gathered is {_mib(layer['gathered_block'])} MiB.")
     lines.append("")
   return "\n".join(lines)
 
@@ -183,6 +246,9 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "fsdp"))
   parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 24])
   parser.add_argument("--size", choices=("cpu", "smoke"), default="cpu")
+  parser.add_argument("--time-layers", type=int, default=4,
+                      help="depth of the step-time table's models (0: no time table)")
+  parser.add_argument("--rounds", type=int, default=9)
   args = parser.parse_args()
   if jax.device_count() < DEVICES:
     raise SystemExit(f"needs {DEVICES} devices, found {jax.device_count()}")
@@ -201,11 +267,13 @@ def main() -> None:
           print(f"{title} {kind:12s} {layers:3d} {layout:14s} peak {_mib(row['peak']):>8s} "
                 f"MiB  temp {_mib(row['temp']):>8s}  all-gathers {row['all_gathers']} "
                 f"({row['seconds']:.0f} s)", flush=True)
+  times = (time_layouts(mesh, configs, args.time_layers, args.rounds)
+           if args.time_layers else [])
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"machine": info, "tables": tables}, f, indent=1)
+    json.dump({"machine": info, "tables": tables, "times": times}, f, indent=1)
   with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
-    f.write(markdown(info, tables, configs))
+    f.write(markdown(info, tables, configs) + "\n".join(time_markdown(times, DEVICES)))
   print(f"wrote {args.out}/RESULTS.md")
 
 

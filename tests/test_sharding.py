@@ -6,6 +6,8 @@ processes of 2 CPU devices each joined by ``jax.distributed`` (gloo collectives)
 
 import importlib.util
 import os
+import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -430,6 +432,21 @@ def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_pa
               {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "SHARDED-OK" in proc.stdout
+
+
+def test_the_sharding_guides_sizing_example_fits_8_devices_and_not_one(tmp_path):
+  from test_docs import section_blocks  # pylint: disable=g-import-not-at-top
+
+  guide = pathlib.Path(ROOT) / "docs" / "guides" / "sharding.md"
+  (code,) = section_blocks(guide, "## Sizing a model that does not fit one device")
+  path = tmp_path / "sizing.py"
+  path.write_text(code)
+  proc = _run([str(path)], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  found = dict(re.findall(r"^(one device|fsdp): ([\d.]+) GiB per device$", proc.stdout, re.M))
+  one, sharded = float(found["one device"]), float(found["fsdp"])
+  # As the guide says: more than an 8 GB device unsharded, an eighth of it and less each.
+  assert one > 8 and sharded < one / 8, proc.stdout
 
 
 # --- two processes ------------------------------------------------------------------------

@@ -24,8 +24,9 @@ The package is the step in stages (``docs/architecture.md`` has the map):
 ``state`` (the train state and its checks), ``plan`` (options and what ``init``
 learns), ``adapters`` (NNX, Linen), ``init``, ``optimizer`` (loss scale and skip),
 ``gradients`` (loss, gradients, accumulation), ``devices`` (mesh reduction and FSDP),
-``update`` (the exact skip and the apply), ``step`` (the stages composed), ``layout``
-(shardings), ``monitor`` (skipped-step warnings), ``train_step`` (the holder).
+``gather`` (where FSDP gathers), ``update`` (the exact skip and the apply), ``step``
+(the stages composed), ``layout`` (shardings), ``monitor`` (skipped-step warnings),
+``train_step`` (the holder).
 """
 
 from jaxamp.train.state import MasterWeightsState, TrainState, abstract_state

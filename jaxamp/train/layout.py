@@ -16,8 +16,8 @@ from jaxamp.casting import is_floating_array
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
 
-__all__ = ["place", "laid_out_state", "signature", "state_shardings", "laid_out",
-           "put_batch", "gathered_for_eval"]
+__all__ = ["place", "laid_out_state", "shapes_laid_out", "signature", "state_shardings",
+           "laid_out", "put_batch", "gathered_for_eval"]
 
 
 def place(tree: Any, shardings: Any) -> Any:
@@ -67,6 +67,23 @@ def laid_out_state(plan: Plan, state: TrainState) -> TrainState:
     return place(state, plan.state_shardings)
   repl = plan.replicated()
   return place(state, jax.tree.map(lambda _: repl, state))
+
+
+def shapes_laid_out(plan: Plan, state: Any) -> Any:
+  """``state`` with each ``jax.ShapeDtypeStruct`` that names no sharding given the
+  step's (the state of ``jax.eval_shape(train.init, model)``, say), so that lowering
+  from shapes alone lays the state out as the step does; other leaves as they are."""
+  if plan.mesh is None:
+    return state
+  shardings = plan.state_shardings if plan.sharded else jax.tree.map(
+      lambda _: plan.replicated(), state)
+
+  def one(x: Any, sharding: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+
+  return jax.tree.map(one, state, shardings)
 
 
 def signature(tree: Any) -> list[Any] | None:

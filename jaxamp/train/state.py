@@ -76,8 +76,10 @@ def abstract_state(state: TrainState) -> TrainState:
     (2, 3)
   """
   # Concrete shardings: eval_shape's may name an abstract mesh, which a restore cannot use.
+  # A tracer (train.init under jax.eval_shape) has none to give.
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                      if isinstance(x, jax.Array) else jax.eval_shape(lambda y: y, x), state)
+                      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                      else jax.eval_shape(lambda y: y, x), state)
 
 
 def is_key(x: Any) -> bool:

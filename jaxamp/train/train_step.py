@@ -243,6 +243,8 @@ class TrainStep:
       self.check_state(state)
       if place:
         state = layout.laid_out_state(self.plan, state)
+      else:
+        state = layout.shapes_laid_out(self.plan, state)
     return state
 
   def trace(self, state: TrainState, batch: Any) -> Any:
@@ -251,8 +253,10 @@ class TrainStep:
     What a first ``step`` call does before XLA sees the program, for ahead-of-time use
     (``train.trace(state, batch).lower().compile()``) or to read the step's jaxpr.
     ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct``s (e.g.
-    :func:`abstract_state`); this step's own jitted function is traced, so its jit cache
-    is the one ``step`` then uses.
+    :func:`abstract_state`, or ``jax.eval_shape(train.init, model)`` of a model made
+    with ``nnx.eval_shape``: a state never materialised, whose leaves then take the
+    step's shardings); this step's own jitted function is traced, so its jit cache is
+    the one ``step`` then uses.
 
     Example (ahead of time, from shapes alone):
       >>> import jax, optax, jaxamp
