@@ -221,9 +221,12 @@ def half_residuals(fn: Callable[..., Any]) -> Callable[..., Any]:
   return checkpointed(fn, save_half_and_statistics)
 
 
-def checkpointed(fn: Callable[..., Any], policy: Callable[..., bool]) -> Callable[..., Any]:
+def checkpointed(fn: Callable[..., Any], policy: Callable[..., bool],
+                 inspect: Callable[[Any], None] | None = None) -> Callable[..., Any]:
   """``fn`` under ``jax.checkpoint`` with ``policy``, as :func:`half_residuals` runs it
-  (pytrees in and out, nested calls and self-rematerializing functions left alone)."""
+  (pytrees in and out, nested calls and self-rematerializing functions left alone).
+  ``inspect``, if given, is called with ``fn``'s jaxpr (its inputs: the array leaves
+  of ``(args, kwargs)``, in order) before it runs."""
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -260,6 +263,8 @@ def checkpointed(fn: Callable[..., Any], policy: Callable[..., bool]) -> Callabl
     outer = [leaves[i] for i in where]
     # Traced once; the checkpoint then runs the traced program, not fn again.
     closed = jax.make_jaxpr(inner)(outer)
+    if inspect is not None:
+      inspect(closed.jaxpr)
     out_def, out_leaves, keep, same, reads = results
     run = lambda arrays: jax_core.jaxpr_as_fun(closed)(*arrays)
     inputs = outer

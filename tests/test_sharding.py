@@ -122,6 +122,33 @@ def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_model():
   assert nnx_step.plan.layer_gather
 
 
+def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_gathers():
+  mesh = jax.make_mesh((1,), ("fsdp",))
+  batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 16))}
+
+  def make(gather, l2):
+    def loss_fn(model, b):
+      fit = jnp.mean((model(b["x"]) - b["y"]) ** 2)
+      return fit + 1e-2 * sum(jnp.sum(p ** 2) for p in l2(model))
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
+                                   param_sharding=fsdp(min_size=16, gather=gather))
+    return train, train.init(nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
+
+  raw = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))  # the Variables' raw arrays
+  read = lambda m: [m.module.kernel[...], m.module.bias[...]]  # read through the Variables
+  train, state = make("layer", raw)
+  with pytest.raises(ValueError, match=r"gather='layer': parameter bias is used as its raw "
+                     r"array by integer_pow .*gather='model'"):
+    train.step(state, batch)
+  out = []
+  for gather, l2 in [("layer", read), ("model", raw), ("model", read)]:
+    train, state = make(gather, l2)
+    state, _ = train.step(state, batch)
+    out.append(np.asarray(state.params["kernel"]))
+  np.testing.assert_allclose(out[0], out[1], rtol=1e-6)
+  np.testing.assert_allclose(out[0], out[2], rtol=1e-6)
+
+
 def test_a_layer_of_a_stacked_slice_keeps_its_split_and_a_split_layer_axis_is_refused():
   mesh = abstract_mesh((4,), ("fsdp",))
   shard = Shard.of(P(None, "fsdp", None), (6, 8, 3), mesh, ("fsdp",), jnp.float32)

@@ -39,8 +39,9 @@ import numpy as np
 
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array
+from jaxamp.residuals import gathers
 
-__all__ = ["Shard", "gathered", "gather_all", "reduce_all", "compiler_options"]
+__all__ = ["Shard", "gathered", "gather_all", "reduce_all", "compiler_options", "check_reads"]
 
 # XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
 # subexpression elimination, which then merges each re-gather of the backward pass with
@@ -191,3 +192,62 @@ def compiler_options(options: Any, mesh: jax.sharding.Mesh) -> Any:
   passes = [p for p in str(out.get(key, "")).split(",") if p]
   out[key] = ",".join(passes + [value] if value not in passes else passes)
   return out
+
+
+# Primitives that pass a value through unchanged, output i being input i.
+_PASS_THROUGH = frozenset({"optimization_barrier", "copy", "copy_p"})
+
+
+def check_reads(jaxpr: Any, shards: Sequence[Shard], names: Sequence[str]) -> None:
+  """Refuses a loss whose jaxpr uses a sharded parameter's slice other than through a
+  :func:`gathered` read: its value there would be this device's shard, not the
+  parameter (a silent wrong loss and gradient). The first ``len(shards)`` inputs of
+  ``jaxpr`` are the parameter slices, ``names`` their paths.
+
+  Raises:
+    ValueError: naming the parameter and what used it.
+  """
+  for var, shard, name in zip(jaxpr.invars, shards, names):
+    if shard.sharded:
+      raw = _raw_use(jaxpr, var)
+      if raw is not None:
+        raise ValueError(
+            f"gather='layer': parameter {name} is used as its raw array by {raw} (not read "
+            "through its Variable, as module[...] or .get_value() do): there it is this "
+            "device's shard of the parameter, not the parameter. Read it through its "
+            "Variable (model.layer.kernel[...]), or gather the whole model at the step's "
+            "start: jaxamp.fsdp(..., gather='model').")
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+  """The jaxpr an equation runs on its own inputs, one to one (jit, checkpoint, scan,
+  custom_jvp/custom_vjp functions), or None."""
+  for key in ("jaxpr", "call_jaxpr"):
+    sub = eqn.params.get(key)
+    sub = getattr(sub, "jaxpr", sub)
+    if sub is not None and hasattr(sub, "invars") and len(sub.invars) == len(eqn.invars):
+      return sub
+  return None
+
+
+def _raw_use(jaxpr: Any, var: Any) -> str | None:
+  """The first primitive using ``var`` other than through a gather, or None."""
+  for eqn in jaxpr.eqns:
+    positions = [i for i, v in enumerate(eqn.invars) if v is var]
+    if not positions:
+      continue
+    if gathers(eqn.primitive, eqn.params):
+      continue
+    if eqn.primitive.name in _PASS_THROUGH:
+      found = [_raw_use(jaxpr, eqn.outvars[i]) for i in positions]
+    elif (sub := _sub_jaxpr(eqn)) is not None:
+      found = [_raw_use(sub, sub.invars[i]) for i in positions]
+    else:
+      return eqn.primitive.name
+    found = [f for f in found if f is not None]
+    if found:
+      return found[0]
+  if any(out is var for out in jaxpr.outvars):
+    return "an output (returned as it is)"
+  return None
+

@@ -8,6 +8,7 @@ device's data; ``devices`` wraps it for a mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
-from jaxamp.residuals import checkpointed, half_residuals, save_all_but_gathers
+from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
+                               save_half_and_statistics)
+from jaxamp.train import gather as gather_lib
 from jaxamp.rules import asks_for_fp8, leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
@@ -47,10 +50,14 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
     return loss * weight, (loss, aux, new_state())
 
   loss = autocast_under_level(options, scaled_loss, batch_argnum=3)
-  if plan.half_residuals:
-    loss = half_residuals(loss)  # its policy gathers parameters again, too
-  elif plan.layer_gather:  # the parameters gathered at their reads are gathered again
-    loss = checkpointed(loss, save_all_but_gathers)
+  if plan.layer_gather:
+    # Parameters gathered at their reads are gathered again in the backward pass (both
+    # policies say so); a slice used raw (not through its read) is refused.
+    policy = save_half_and_statistics if plan.half_residuals else save_all_but_gathers
+    loss = checkpointed(loss, policy, inspect=functools.partial(
+        gather_lib.check_reads, shards=plan.shards, names=_param_names(plan)))
+  elif plan.half_residuals:
+    loss = half_residuals(loss)
   raw_grad_fn = jax.grad(loss, argnums=(0, 1), has_aux=True)
 
   def grad_fn(p, f8, ms, mb, key):
@@ -65,6 +72,12 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
     return g, f8, out
 
   return grad_fn
+
+
+def _param_names(plan: Plan) -> list[str]:
+  """The path of each param leaf, in ``jax.tree.leaves`` order."""
+  return [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+      plan.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]]
 
 
 def _names(tree: Any) -> list[str]:
