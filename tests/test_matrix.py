@@ -53,16 +53,25 @@ def _name(row):
 
 
 @pytest.fixture(scope="module")
-def results():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.path.dirname(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                       "--xla_backend_optimization_level=0 "
-                       "--xla_llvm_disable_expensive_passes=true")
-  proc = subprocess.run([sys.executable, os.path.join(TESTS, "matrix_script.py")],
-                        capture_output=True, text=True, env=env, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  rows = [json.loads(line[len("ROW "):]) for line in proc.stdout.splitlines()
+def results(once_per_run):
+  """The matrix's rows, run once per pytest run (however many xdist workers ask)."""
+
+  def run(folder):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.path.dirname(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+                         "--xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "matrix_script.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    (folder / "stdout").write_text(proc.stdout)
+    (folder / "stderr").write_text(f"exit {proc.returncode}\n{proc.stderr}")
+
+  folder = once_per_run("matrix", run)
+  stdout = (folder / "stdout").read_text()
+  stderr = (folder / "stderr").read_text()
+  assert stderr.startswith("exit 0\n"), stdout[-3000:] + stderr[-3000:]
+  rows = [json.loads(line[len("ROW "):]) for line in stdout.splitlines()
           if line.startswith("ROW ")]
   return {r["index"]: r for r in rows}
 

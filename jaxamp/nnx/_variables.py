@@ -122,26 +122,14 @@ def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], No
   if _SHARD in meta:  # a slice gathered at its read: gathered in ``dtype``
     _set_meta(variable, _GATHER_DTYPE, dtype, undo)
     return
-  previous = meta.get(_GET_VALUE_HOOKS, _MISSING)
-  hooks = () if previous is _MISSING else (
-      previous if isinstance(previous, tuple) else (previous,))
-  meta[_GET_VALUE_HOOKS] = hooks + (_cast_hook(dtype),)
-
-  def restore() -> None:
-    # NNX transforms may have replaced the metadata dict: restore on the current one.
-    current = _metadata(variable)
-    if current is None:
-      return
-    if previous is _MISSING:
-      current.pop(_GET_VALUE_HOOKS, None)
-    else:
-      current[_GET_VALUE_HOOKS] = previous
-
-  undo.append(restore)
+  hooks = meta.get(_GET_VALUE_HOOKS, ())
+  hooks = hooks if isinstance(hooks, tuple) else (hooks,)
+  _set_meta(variable, _GET_VALUE_HOOKS, hooks + (_cast_hook(dtype),), undo)
 
 
 def _set_meta(variable: nnx.Variable, key: str, value: Any,
               undo: list[Callable[[], None]]) -> None:
+  """Sets ``variable``'s metadata ``key`` to ``value`` until ``undo`` runs."""
   previous = _metadata(variable).get(key, _MISSING)
   _metadata(variable)[key] = value
 
