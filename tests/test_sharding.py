@@ -436,6 +436,32 @@ _EIGHT_DEVICES = textwrap.dedent("""
     assert peaks['layer'] + 6 * 64 * 64 * 4 // 2 < peaks['model'], peaks
     print('SCAN', peaks)
 
+    # 11. Tied weights, per layer: an embedding table read by its lookup and by the output
+    #     projection (attend) is gathered at each read in bfloat16, and trains (SGD: Adam
+    #     would magnify a near-zero gradient's rounding) as one device does.
+    class Tied(nnx.Module):
+      def __init__(self, rngs):
+        self.embed = nnx.Embed(16, 64, rngs=rngs)
+        self.lin = nnx.Linear(64, 64, rngs=rngs)
+      def __call__(self, x):
+        ids = jnp.argmax(x[:, :4], axis=-1)  # 4 of the 16 tokens
+        return self.embed.attend(jax.nn.relu(self.lin(self.embed(ids))))[:, :4]
+
+    out = []
+    for kw in ({{}}, dict(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16))):
+      train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', **kw)
+      state = train.init(Tied(nnx.Rngs(0)))
+      if kw:
+        assert train.plan.layer_gather
+        found = collectives(train.lower(state, batches[0]).as_text())
+        table = [c for c in found if c.op == 'all-gather' and c.bytes == 16 * 64 * 2]
+        assert len(table) >= 2 and {{c.dtype for c in table}} == {{'bf16'}}, found
+      for b in batches[:2]:
+        state, metrics = train.step(state, b)
+      out.append(leaves(state.params))
+    for a, b in zip(*out):
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+
     # 9. eval_step (the runs of 3.)
     np.testing.assert_allclose(evals['single'], evals['fsdp'], rtol=1e-5)
     print('SHARDED-OK')
