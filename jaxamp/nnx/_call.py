@@ -274,10 +274,10 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
   bridged = isinstance(module, nnx.bridge.ToNNX)
   _state.running.add(id(module))
   _state.stack.append(policy)
-  gathers = False  # whether it reads parameter slices gathered where read (FSDP)
+  reads_slices = False  # whether it owns parameter slices gathered where read (FSDP)
   try:
     for variable in _owned_variables(module):
-      gathers = gathers or _gathered_on_read(variable)
+      reads_slices = reads_slices or _gathered_on_read(variable)
       _keep_dtype(variable, undo)
       # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
       # A lookup reads a sharded table cast, then gathered: the rows it would cast.
@@ -306,7 +306,7 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
     def run() -> Any:
       if fn in _RECOMPUTED and call.recompute_norms and _widens(args, kwargs, compute):
         return _recomputed(module, fn, compute, args, kwargs)
-      if gathers:
+      if reads_slices:
         # Its own checkpoint: inside an nnx.scan body, the backward pass then gathers
         # each layer's parameters again in that layer's step, not all layers' up front.
         return _recomputed(module, fn, compute, args, kwargs, regather_policy(compute),

@@ -14,9 +14,9 @@ layout (the backward pass). Two places to do it:
   ``jax.custom_vjp`` whose backward pass is the reduce-scatter), so one layer's
   parameters are live at a time, and its gradient leaves the layer reduce-scattered.
   Under ``nnx.scan`` over stacked layers a read inside the body gathers one layer's
-  slice. The gathered values are not saved for the backward pass: the step's
-  checkpoint policy (:func:`jaxamp.residuals.gathers`) has them gathered again there, as PyTorch FSDP
-  and MaxText do.
+  slice. The gathered values are not saved for the backward pass: each reading module
+  runs under its own checkpoint, whose policy (:func:`jaxamp.residuals.gathers`) has
+  them gathered again there, as PyTorch FSDP and MaxText do.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -48,7 +48,8 @@ __all__ = ["Shard", "gathered", "gather_all", "reduce_all", "compiler_options", 
 # the forward pass's gather of the same slice: every layer's gathered parameters stay
 # live from the forward pass to the backward pass (a 24-layer LM on 8 devices: 442 MiB
 # per device against 168 MiB with the barriers kept; benchmarks/fsdp). jax.checkpoint
-# puts those barriers there for this very reason; GPU and TPU keep them.
+# puts such barriers there for this very reason. Other backends are left as they are
+# (whether XLA:GPU keeps them through CSE is not checked here).
 _KEEP_BARRIERS = ("xla_disable_hlo_passes", "cse_barrier_expander")
 
 
@@ -96,9 +97,10 @@ class Shard(NamedTuple):
     shape, full = tuple(shape), self.shape
     if shape == full:
       return self
-    k = len(full) - len(shape)
+    k = len(full) - len(shape)  # dimensions taken out; each way of taking them out that
+    # leaves ``shape`` and splits none of them gives a candidate layout
     found = {tuple(e for i, e in enumerate(self.spec) if i not in out)
-             for out in itertools.combinations(range(len(full)), max(k, 0))
+             for out in itertools.combinations(range(len(full)), k)
              if tuple(n for i, n in enumerate(full) if i not in out) == shape
              and not any(self.spec[i] for i in out)} if k > 0 else set()
     if len(found) != 1:
