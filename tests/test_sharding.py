@@ -269,10 +269,13 @@ _EIGHT_DEVICES = textwrap.dedent("""
     layer32 = lowered('float32', gather='auto')
     layerbf, layerbf_compiled = lowered('mixed_bfloat16', compile=True, gather='auto')
     layer16 = lowered('mixed_bfloat16', gather='layer', grad_reduce_dtype=jnp.bfloat16)
-    kernels_twice = sorted([8 * 16, 8 * 16, 16, 16 * 4, 16 * 4])  # elements gathered
+    # Elements gathered: the second layer's kernel twice; the first layer's second gather
+    # is dead code (its input, the batch, needs no gradient), which jax 0.11 drops when
+    # lowering and jax 0.10 leaves to XLA.
+    once, twice = sorted([8 * 16, 16, 16 * 4, 16 * 4]), sorted([8 * 16] * 2 + [16, 16 * 4, 16 * 4])
     for found, size, dtype in [(layer32, 4, 'f32'), (layerbf, 2, 'bf16')]:
       ag = pick(found, 'all-gather')
-      assert sorted(c.bytes // size for c in ag) == kernels_twice, found
+      assert sorted(c.bytes // size for c in ag) in (once, twice), found
       assert {{c.dtype for c in ag}} == {{dtype}}, found
     for found, dtype in [(f32, 'f32'), (mixed, 'f32'), (mixed16, 'bf16'), (layer32, 'f32'),
                          (layerbf, 'f32'), (layer16, 'bf16')]:
@@ -286,10 +289,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     for op in ('all-gather', 'reduce-scatter'):
       assert n(pick(mixed, op)) == n(pick(mixed_compiled, op)), (op, mixed, mixed_compiled)
     # Per layer, the second layer's kernel is gathered twice there too (the backward
-    # pass's gather is not merged with the forward pass's); the first layer's second
-    # gather is dead code XLA drops (its input, the batch, needs no gradient).
-    assert n(pick(layerbf_compiled, 'all-gather')) == sorted([8 * 16, 16, 16 * 4, 16 * 4]), (
-        layerbf_compiled)
+    # pass's gather is not merged with the forward pass's).
+    assert n(pick(layerbf_compiled, 'all-gather')) == once, layerbf_compiled
     assert n(pick(layerbf, 'reduce-scatter')) == n(pick(layerbf_compiled, 'reduce-scatter'))
     print('COLLECTIVES', sorted(set(agbf)), sorted(set(pick(mixed16, 'reduce-scatter'))))
 
@@ -498,8 +499,8 @@ def test_the_sharding_guides_sizing_example_fits_8_devices_and_not_one(tmp_path)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   found = dict(re.findall(r"^(one device|fsdp): ([\d.]+) GiB per device$", proc.stdout, re.M))
   one, sharded = float(found["one device"]), float(found["fsdp"])
-  # As the guide says: more than an 8 GB device unsharded, an eighth of it and less each.
-  assert one > 8 and sharded < one / 8, proc.stdout
+  # As the guide says: more than an 8 GB device holds unsharded, about 1.2 GiB each.
+  assert one > 8 and sharded < 1.5, proc.stdout
 
 
 # --- two processes ------------------------------------------------------------------------
