@@ -62,6 +62,7 @@ _RECOMPUTABLE = frozenset("""
 """.split())
 _CUSTOM_JVP = frozenset({"custom_jvp_call"})
 _MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+_GATHERS = frozenset({"all_gather"})
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})  # jax.checkpoint's primitive
 
 
@@ -104,7 +105,13 @@ def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
                                     and not _multiplies(params.get("call_jaxpr"))):
     # A custom_jvp function (relu, gelu, softplus) counts as what it computes.
     return not any(_wide(a) for a in avals)
-  return not gathers(prim, params) and prim.name != "optimization_barrier"
+  return not _regathered(prim, params)
+
+
+def _regathered(prim: Any, params: dict[str, Any]) -> bool:
+  """Whether per-layer FSDP needs ``prim``'s outputs recomputed, never saved: a gathered
+  parameter (:func:`gathers`), or what an optimization barrier passes through."""
+  return gathers(prim, params) or prim.name == "optimization_barrier"
 
 
 def gathers(prim: Any, params: dict[str, Any]) -> bool:
@@ -112,15 +119,8 @@ def gathers(prim: Any, params: dict[str, Any]) -> bool:
   ``jax.custom_vjp`` function holding an ``all_gather`` (FSDP's per-layer reads,
   ``jaxamp.fsdp(gather='layer')``). Its result is gathered again in the backward pass,
   not saved: saving it would keep every layer's gathered parameters at once."""
-  return prim.name == "custom_vjp_call" and _all_gathers(params.get("call_jaxpr"))
-
-
-def _all_gathers(jaxpr: Any) -> bool:
-  if jaxpr is None:
-    return False
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  return any(eqn.primitive.name == "all_gather" for eqn in jaxpr.eqns) or any(
-      _all_gathers(sub) for sub in jax_core.subjaxprs(jaxpr))
+  jaxpr = params.get("call_jaxpr")
+  return prim.name == "custom_vjp_call" and jaxpr is not None and _holds(jaxpr, _GATHERS)
 
 
 def save_all_but_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
@@ -128,17 +128,21 @@ def save_all_but_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
   are read (:func:`gathers`) and what optimization barriers pass through: the
   full-precision step's policy under per-layer FSDP."""
   del avals
-  return not gathers(prim, params) and prim.name != "optimization_barrier"
+  return not _regathered(prim, params)
 
 
 def _multiplies(jaxpr: Any) -> bool:
   """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr; None: unknown) holds a matmul or
   convolution, at any depth."""
-  if jaxpr is None:
-    return True
+  return jaxpr is None or _holds(jaxpr, _MATMULS)
+
+
+def _holds(jaxpr: Any, names: frozenset[str]) -> bool:
+  """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr) holds a primitive named in ``names``, at
+  any depth."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  return any(eqn.primitive.name in _MATMULS for eqn in jaxpr.eqns) or any(
-      _multiplies(sub) for sub in jax_core.subjaxprs(jaxpr))
+  return any(eqn.primitive.name in names for eqn in jaxpr.eqns) or any(
+      _holds(sub, names) for sub in jax_core.subjaxprs(jaxpr))
 
 
 def recompute_all(prim: Any, *avals: Any, **params: Any) -> bool:

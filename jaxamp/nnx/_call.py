@@ -277,12 +277,12 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
   reads_slices = False  # whether it owns parameter slices gathered where read (FSDP)
   try:
     for variable in _owned_variables(module):
-      reads_slices = reads_slices or _gathered_on_read(variable)
+      sliced = _gathered_on_read(variable)
+      reads_slices = reads_slices or sliced
       _keep_dtype(variable, undo)
       # A bridged Linen module's parameters are cast per Linen submodule, by its policy.
       # A lookup reads a sharded table cast, then gathered: the rows it would cast.
-      if ((not gather or _gathered_on_read(variable)) and not bridged
-          and _reads_as_compute(module, variable)):
+      if (not gather or sliced) and not bridged and _reads_as_compute(module, variable):
         _read_as(variable, compute, undo)
     if bridged:
       _set_attr(module, _flax_compat.TONNX_MODULE,

@@ -122,9 +122,13 @@ def _read_as(variable: nnx.Variable, dtype: np.dtype, undo: list[Callable[[], No
   if _SHARD in meta:  # a slice gathered at its read: gathered in ``dtype``
     _set_meta(variable, _GATHER_DTYPE, dtype, undo)
     return
+  _set_meta(variable, _GET_VALUE_HOOKS, _hooks_and(meta, _cast_hook(dtype)), undo)
+
+
+def _hooks_and(meta: dict[str, Any], hook: Callable[[Any, Any], Any]) -> tuple[Any, ...]:
+  """The ``on_get_value`` hooks of ``meta`` (one, or a tuple or list) with ``hook`` last."""
   hooks = meta.get(_GET_VALUE_HOOKS, ())
-  hooks = hooks if isinstance(hooks, tuple) else (hooks,)
-  _set_meta(variable, _GET_VALUE_HOOKS, hooks + (_cast_hook(dtype),), undo)
+  return (tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)) + (hook,)
 
 
 def _set_meta(variable: nnx.Variable, key: str, value: Any,
@@ -175,9 +179,7 @@ def gather_on_read(variable: nnx.Variable, shard: Any) -> None:
     raise ValueError("gather='layer' needs NNX Variables with metadata; this one is a "
                      f"{type(variable).__name__} without: use gather='model'.")
   meta[_SHARD] = shard
-  hooks = meta.get(_GET_VALUE_HOOKS, ())
-  meta[_GET_VALUE_HOOKS] = (tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)) + (
-      _gather_on_read,)
+  meta[_GET_VALUE_HOOKS] = _hooks_and(meta, _gather_on_read)
 
 
 def _keep_dtype(variable: nnx.Variable, undo: list[Callable[[], None]]) -> None:

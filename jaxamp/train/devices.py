@@ -112,7 +112,7 @@ def _reduce_replicated(plan: Plan, grads: Any, dtypes: list[Any]) -> Any:
   not gathered) summed over the batch axes; the sharded ones left their reads reduced."""
   leaves, treedef = jax.tree.flatten(grads)
   return treedef.unflatten([
-      (g if shard.sharded else gather.reduce_all([shard], [g], [dt])[0]).astype(dt)
+      (g if shard.sharded else gather.reduced(g, shard)).astype(dt)
       for g, shard, dt in zip(leaves, plan.shards, dtypes)])
 
 

@@ -41,7 +41,8 @@ from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.residuals import gathers
 
-__all__ = ["Shard", "gathered", "gather_all", "reduce_all", "compiler_options", "check_reads"]
+__all__ = ["Shard", "gathered", "reduced", "gather_all", "reduce_all", "compiler_options",
+           "check_reads"]
 
 # XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
 # subexpression elimination, which then merges each re-gather of the backward pass with
@@ -121,7 +122,7 @@ def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
   return x
 
 
-def _reduce_slice(g: jax.Array, shard: Shard) -> jax.Array:
+def reduced(g: jax.Array, shard: Shard) -> jax.Array:
   """Inside shard_map: a full local gradient cast to ``reduce_dtype``, summed over the
   batch axes and scattered to the slice's layout (each device's loss was weighted by one
   over the number of devices, so the sum is the mean)."""
@@ -161,7 +162,7 @@ def _gathered_fwd(x: jax.Array, shard: Shard, dtype: Any) -> tuple[jax.Array, An
 
 def _gathered_bwd(shard: Shard, dtype: Any, stored: Any, ct: jax.Array) -> tuple[jax.Array]:
   del dtype
-  return (_reduce_slice(ct, shard).astype(stored.dtype),)
+  return (reduced(ct, shard).astype(stored.dtype),)
 
 
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -180,7 +181,7 @@ def reduce_all(shards: Sequence[Shard], grads: Any, dtypes: Sequence[Any]) -> An
   """Inside shard_map: each full local gradient reduced to its slice (see
   :func:`gathered`), returned in its dtype in ``dtypes``."""
   leaves, treedef = jax.tree.flatten(grads)
-  return treedef.unflatten([_reduce_slice(g, s).astype(dt)
+  return treedef.unflatten([reduced(g, s).astype(dt)
                             for g, s, dt in zip(leaves, shards, dtypes)])
 
 
