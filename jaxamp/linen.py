@@ -47,11 +47,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.core
 import flax.linen as nn
+from flax import struct
+from flax.core import meta as flax_meta
 import jax
 import numpy as np
 
@@ -65,6 +68,7 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
                           path_name, resolve_policy, resolve_tree)
+from jaxamp.train.gather import gathered
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -246,6 +250,97 @@ def _apply_plan(module: nn.Module, variables: Any, args: tuple[Any, ...],
                         kwargs)
 
 
+# --- FSDP: parameter slices gathered where they are read -------------------------------------
+
+
+class _Reading(threading.local):
+  dtype: Any = None  # the compute dtype of the module running (reading its parameters)
+  tie: Any = None  # that module's array inputs, which its gathers wait for
+
+
+_reading_now = _Reading()
+
+
+@contextlib.contextmanager
+def _reading(dtype: Any, tie: Any = None) -> Iterator[None]:
+  """Parameter slices read in the ``with`` block are gathered in ``dtype``, after ``tie``."""
+  old = _reading_now.dtype, _reading_now.tie
+  _reading_now.dtype, _reading_now.tie = dtype, tie
+  try:
+    yield
+  finally:
+    _reading_now.dtype, _reading_now.tie = old
+
+
+class _Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
+  """This device's slice of a sharded parameter, inside the train step's ``shard_map``
+  (``gather='layer'``). Linen unboxes a parameter where a module reads it
+  (``self.param``): the slice is then cast to the reading module's compute dtype and
+  all-gathered (:func:`jaxamp.train.gather.gathered`), its gradient reduce-scattered.
+  ``nn.scan``/``nn.vmap`` over stacked layers say which dimension they take out
+  (``remove_axis``), so a read inside the body gathers one layer's slice."""
+
+  value: Any
+  shard: Any = struct.field(pytree_node=False)  # jaxamp.train.gather.Shard
+
+  def unbox(self) -> Any:
+    x = self.value
+    if _reading_now.tie:  # the gather waits for the reading module's inputs
+      x, _ = jax.lax.optimization_barrier((x, _reading_now.tie))
+    dtype = _reading_now.dtype if is_floating_array(x) and _reading_now.dtype else x.dtype
+    return gathered(x, self.shard, dtype)
+
+  def replace_boxed(self, val: Any) -> _Slice:
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: Any) -> _Slice:
+    del params
+    return self.replace(shard=self.shard.with_axis(index, np.shape(self.value)[index]))
+
+  def remove_axis(self, index: int, params: Any) -> _Slice:
+    del params
+    return self.replace(shard=self.shard.without(index))
+
+
+def gathered_on_read(params: Any, shards: Sequence[Any]) -> Any:
+  """``params`` (this device's slices, inside the step's ``shard_map``) with each
+  sharded leaf (``shards``: a :class:`jaxamp.train.gather.Shard` per leaf) boxed so that
+  a module reading it gathers it, in that module's compute dtype, and the module runs
+  under its own checkpoint that gathers it again for the backward pass."""
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([_Slice(x, s) if s.sharded else x for x, s in zip(leaves, shards)])
+
+
+def _planned(variables: Any) -> Any:
+  """``variables`` as the abstract pass sees them (:func:`_apply_plan`): parameter slices
+  (FSDP, ``gather='layer'``) as whole parameters, and floating parameters of mixed dtypes
+  (gathered at the step's start in each reader's compute dtype, or stored so by rules)
+  as float32. The pass runs the module uncast, where a bfloat16 carry through a float32
+  LayerNorm would come back float32 and fail ``nn.scan``'s carry check."""
+  if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
+    return variables
+  is_slice = lambda x: isinstance(x, _Slice)
+  params = variables["params"]
+  leaves = jax.tree.leaves(params, is_leaf=is_slice)
+  floating = {(x.value if is_slice(x) else x).dtype for x in leaves
+              if is_floating_array(x.value if is_slice(x) else x)}
+  if len(floating) < 2 and not any(map(is_slice, leaves)):
+    return variables
+
+  def whole(x: Any) -> Any:
+    shape, x = (x.shard.global_shape, x.value) if is_slice(x) else (np.shape(x), x)
+    dtype = np.float32 if len(floating) > 1 and is_floating_array(x) else x.dtype
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+  return {**variables, "params": jax.tree.map(whole, params, is_leaf=is_slice)}
+
+
+def _owns_slices(module: nn.Module) -> bool:
+  """Whether some parameter directly in ``module``'s scope is a slice read gathered."""
+  params = module.variables.get("params", {})
+  return isinstance(params, Mapping) and any(isinstance(v, _Slice) for v in params.values())
+
+
 # --- casting ---------------------------------------------------------------------------------
 
 
@@ -267,7 +362,7 @@ def _cast_module_params(tree: Any, policies: Mapping[Path, Policy],
     if isinstance(value, Mapping):
       out[key] = value if sub in skip else _cast_module_params(value, policies, dtype_of,
                                                                sub, skip)
-    elif policy is not None:
+    elif policy is not None and not isinstance(value, _Slice):  # slices: cast when read
       out[key] = read_as(value, dtype_of(policy))
     else:
       out[key] = value
@@ -397,9 +492,12 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
   mapping: set[Path] = set()  # lifted bodies whose parameters are being cast
   places = _Places()
 
-  def recomputed(module, path, context, args, kwargs, compute):
-    # The norm runs under nn.remat with the cast to ``compute`` inside it: reverse mode
-    # keeps the narrower input, not float32 intermediates, and recomputes the norm.
+  def recomputed(module, path, context, args, kwargs, compute,
+                 policy=residuals_lib.recompute_all, tie=False):
+    # The module runs under nn.remat with the cast to ``compute`` inside it: reverse mode
+    # keeps the narrower input, not float32 intermediates (a norm), and recomputes the
+    # rest as ``policy`` says. With ``tie`` (it reads parameter slices) its gathers wait
+    # for its inputs, and the policy has them gathered again in the backward pass.
     leaves, treedef = jax.tree.flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
 
@@ -408,12 +506,12 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       for i, x in zip(where, arrays):
         full[i] = x
       a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
-      return linen_unbound_method(context)(clone, *a, **k)
+      with _reading(compute, list(arrays) if tie else None):
+        return linen_unbound_method(context)(clone, *a, **k)
 
     mapping.add(path)  # the clone nn.remat runs is already cast
     try:
-      return nn.remat(body, policy=residuals_lib.recompute_all)(
-          module, *(leaves[i] for i in where))
+      return nn.remat(body, policy=policy)(module, *(leaves[i] for i in where))
     finally:
       mapping.discard(path)
 
@@ -452,8 +550,9 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       return next_fun(*args, **kwargs)  # a module calling its own method: already cast
     path, nested = places.of(module)
     if context.method_name == "setup":
-      with _fields_set(module, _dtype_fields(module, policy_of(module, path))), \
-          places.running(path, nested), scoped(path):
+      policy = policy_of(module, path)
+      with _fields_set(module, _dtype_fields(module, policy)), \
+          places.running(path, nested), scoped(path), _reading(policy.compute_dtype):
         return next_fun(*args, **kwargs)
     if path in mapping:
       places.cloning = None
@@ -471,11 +570,15 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
         stack.enter_context(_fields_set(module, fields))
         stack.enter_context(places.running(path, nested))
         stack.enter_context(scoped(path))
-        if (recompute_norms and path not in lifted and not nested
-            and _is_norm(type(module)) and path not in not_norm
-            and not module.is_initializing()
+        stack.enter_context(_reading(compute))  # its parameter slices, if any
+        plain = path not in lifted and not nested and not module.is_initializing()
+        if (recompute_norms and plain and _is_norm(type(module)) and path not in not_norm
             and _widens((args, kwargs), compute)):
-          out = recomputed(module, path, context, args, kwargs, compute)
+          out = recomputed(module, path, context, args, kwargs, compute,
+                           tie=_owns_slices(module))
+        elif plain and _owns_slices(module):  # FSDP, gather='layer'
+          out = recomputed(module, path, context, args, kwargs, compute,
+                           residuals_lib.regather_policy(compute), tie=True)
         else:
           out = call(next_fun, module, path, nested, context, cast_floating(args, compute),
                      cast_floating(kwargs, compute))
@@ -601,10 +704,11 @@ class LinenPolicy:
       does. Updated floating state keeps the dtype it was passed in with.
     """
     call_kwargs = dict(kwargs, rngs=rngs, method=method, mutable=mutable)
-    key = _signature(variables, args, call_kwargs)
-    plan = self._plan(key, variables, args, call_kwargs)
+    planned = _planned(variables)
+    key = _signature(planned, args, call_kwargs)
+    plan = self._plan(key, planned, args, call_kwargs)
     if key is None or key not in self._checked:
-      self._check(plan, variables, args, call_kwargs)
+      self._check(plan, planned, args, call_kwargs)
       if key is not None:
         self._checked.add(key)
     return self._run(plan, variables, args, call_kwargs)

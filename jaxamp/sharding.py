@@ -99,12 +99,12 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
     and its gradient reduce-scattered as it leaves the module's backward pass; the
     backward pass gathers again rather than keeping the gathered copy. One layer's
     parameters are live at a time (under ``nnx.scan`` over stacked layers, one layer's
-    slice), so the step's peak memory grows with the model's size over the devices,
-    as PyTorch FSDP's does. NNX models only.
+    slice; under ``nn.scan``, likewise), so the step's peak memory grows with the
+    model's size over the devices, as PyTorch FSDP's does. NNX and Linen models.
   - ``'model'``: every parameter at the start of the step, every gradient at its end:
     one collective per parameter, but each device holds the whole model gathered (in
     the compute dtypes) and its whole float32 gradient at once.
-  - ``'auto'`` (default): ``'layer'`` for NNX models, ``'model'`` for Linen and Equinox
+  - ``'auto'`` (default): ``'layer'`` for NNX and Linen models, ``'model'`` for Equinox
     models and NNX models holding bridged Linen modules (``nnx.bridge.ToNNX``).
 
   Args:

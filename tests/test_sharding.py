@@ -89,7 +89,8 @@ def test_bad_param_shardings_are_named():
                            mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
 
 
-def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_model():
+def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_or_linen_model():
+  eqx = pytest.importorskip("equinox")
   with pytest.raises(ValueError, match=r"gather must be one of 'auto', 'layer', 'model', "
                      r"got 'layers'"):
     fsdp(gather="layers")
@@ -100,26 +101,23 @@ def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_model():
                                                  {"w": P()})] == ["auto", "model", "layer",
                                                                   "auto"]
   mesh = jax.make_mesh((1,), ("fsdp",))
-
-  class Dense(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(4)(x)
-
-  x = jnp.ones((2, 8))
-  variables = Dense().init(jax.random.key(0), x)
   make = lambda gather: jaxamp.make_train_step(
       lambda m, b: m(b).sum(), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
       param_sharding=fsdp(min_size=1, gather=gather))
-  with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where an NNX "
-                     r"module reads it, but a Dense is not an NNX model\. Use gather='model'"):
-    make("layer").init(Dense(), variables, x)
+  linear = eqx.nn.Linear(8, 4, key=jax.random.key(0))
+  with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where a module "
+                     r"reads it, but a Linear is neither an NNX nor a Linen model\. Use "
+                     r"gather='model'"):
+    make("layer").init(linear)
   auto = make("auto")
-  auto.init(Dense(), variables, x)
-  assert not auto.plan.layer_gather  # a Linen model: the whole model, at the step's start
-  nnx_step = make("auto")
-  nnx_step.init(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
-  assert nnx_step.plan.layer_gather
+  auto.init(linear)
+  assert not auto.plan.layer_gather  # an Equinox model: the whole model, at the step's start
+  x = jnp.ones((2, 8))
+  for model, variables in ((nnx.Linear(8, 4, rngs=nnx.Rngs(0)), None),
+                           (nn.Dense(4), nn.Dense(4).init(jax.random.key(0), x))):
+    step = make("auto")
+    step.init(model) if variables is None else step.init(model, variables, x)
+    assert step.plan.layer_gather, model
 
 
 def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_gathers():
@@ -501,6 +499,95 @@ def test_the_sharding_guides_sizing_example_fits_8_devices_and_not_one(tmp_path)
   one, sharded = float(found["one device"]), float(found["fsdp"])
   # As the guide says: more than an 8 GB device holds unsharded, about 1.2 GiB each.
   assert one > 8 and sharded < 1.5, proc.stdout
+
+
+_LINEN_EIGHT_DEVICES = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import linen as nn
+    import jaxamp
+    from jaxamp.sharding import collectives
+    from test_train import loss_fn, make_batches, leaves
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+    batches = make_batches(2, size=32)
+    x = batches[0]['x']
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return h + nn.Dense(64)(jax.nn.relu(nn.Dense(64)(nn.LayerNorm()(h)))), None
+
+    class Model(nn.Module):  # a tied embedding table around 6 scan-stacked blocks
+      @nn.compact
+      def __call__(self, x):
+        embed = nn.Embed(16, 64)
+        ids = jnp.argmax(x[:, :4], axis=-1)
+        h, _ = nn.scan(Block, variable_axes={{'params': 0}}, split_rngs={{'params': True}},
+                       length=6)()(embed(ids), None)
+        return embed.attend(h)[:, :4]
+
+    variables = Model().init(jax.random.key(0), x)
+
+    def made(policy, gather=None, opt=optax.sgd(0.5)):
+      kw = {{}} if gather is None else dict(
+          mesh=mesh, batch_axis=('data', 'fsdp'),
+          param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
+      train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **kw)
+      return train, train.init(Model(), jax.tree.map(jnp.copy, variables), x)
+
+    # 1. A Linen model gathers per layer by default; under mixed_bfloat16 the kernels,
+    #    biases and the tied table are gathered in bfloat16, the table at each of its two
+    #    reads, and only the LayerNorm's (float32 by the norm rule) in float32.
+    train, state = made('mixed_bfloat16', 'auto')
+    assert train.plan.layer_gather
+    found = collectives(train.lower(state, batches[0]).as_text())
+    gathers = [c for c in found if c.op == 'all-gather']
+    assert {{c.bytes for c in gathers if c.dtype == 'f32'}} == {{64 * 4}}, found
+    assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'bf16'}}, found
+    assert len([c for c in gathers if c.bytes == 16 * 64 * 2]) >= 2, found  # the table
+    # inside the scan body: one layer's kernel (64 x 64), not the stack
+    assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
+    assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
+
+    # 2. One layer's parameters live at a time: the per-layer step's temporaries are
+    #    smaller than the whole-model step's by more than half the stacked kernels.
+    temps = {{g: made('float32', g, optax.adam(1e-3))[0] for g in ('layer', 'model')}}
+    temps = {{g: t.lower(made('float32', g, optax.adam(1e-3))[1], batches[0]).compile()
+                 .memory_analysis().temp_size_in_bytes for g, t in temps.items()}}
+    assert temps['layer'] + 6 * 2 * 64 * 64 * 4 // 2 < temps['model'], temps
+
+    # 3. Trains as one device does. Under mixed_bfloat16 the per-layer step rounds in
+    #    other places (each read of the tied table reduces its own gradient in float32,
+    #    where one device sums both reads' in bfloat16): it is measured against the
+    #    float32 run, and must be as close to it as one device's bfloat16 run is.
+    runs = {{}}
+    for policy in ('float32', 'mixed_bfloat16'):
+      for gather in (None, 'layer', 'model'):
+        train, state = made(policy, gather)
+        for b in batches:
+          state, _ = train.step(state, b)
+        runs[policy, gather] = leaves(state.params)
+    rms = lambda a, b: np.sqrt(np.mean(np.concatenate([(x - y).ravel() ** 2
+                                                       for x, y in zip(a, b)])))
+    reference = runs['float32', None]
+    for gather in ('layer', 'model'):
+      for got, want in zip(runs['float32', gather], reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+      error = rms(runs['mixed_bfloat16', gather], reference)
+      assert error <= 1.25 * rms(runs['mixed_bfloat16', None], reference), (gather, error)
+    print('LINEN-OK', temps)
+""")
+
+
+def test_linen_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path):
+  path = tmp_path / "linen_sharded.py"
+  path.write_text(_LINEN_EIGHT_DEVICES.format(root=ROOT, tests=TESTS))
+  proc = _run([str(path)],
+              {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "LINEN-OK" in proc.stdout
 
 
 # --- two processes ------------------------------------------------------------------------

@@ -115,7 +115,9 @@ class LinenAdapter:
   uses_rng = True  # the step key feeds Linen's 'dropout' stream
   _wrapped: Any = None
 
-  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
+    """``shards`` (``gather='layer'``, inside the step's ``shard_map``): as for NNX; each
+    sharded slice is gathered where a module reads it (``self.param``)."""
     from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
 
     # One wrapper, so its plan cache serves every trace (step and eval); the step binds
@@ -125,6 +127,8 @@ class LinenAdapter:
                                             recompute_norms=self.recompute_norms,
                                             half_residuals=False)  # the step decides
     wrapped = self._wrapped
+    if shards is not None:
+      params = amp_linen.gathered_on_read(params, shards)
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False
 

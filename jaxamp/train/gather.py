@@ -86,6 +86,36 @@ class Shard(NamedTuple):
   def sharded(self) -> bool:
     return any(self.spec)
 
+  @property
+  def global_shape(self) -> tuple[int, ...]:
+    """The parameter's whole shape (every slice gathered)."""
+    sizes = dict(self.sizes)
+    return tuple(n * int(np.prod([sizes[a] for a in names], dtype=int))
+                 for n, names in zip(self.shape, self.spec))
+
+  def without(self, dim: int) -> Shard:
+    """The layout of one layer along dimension ``dim`` of a stacked slice (Linen's
+    ``nn.scan``/``nn.vmap`` say which dimension they take out).
+
+    Raises:
+      ValueError: if the mesh splits ``dim`` (each layer would live on other devices).
+    """
+    dim %= len(self.spec)
+    if self.spec[dim]:
+      raise ValueError(
+          f"A parameter slice of shape {self.shape} is split over the mesh along dimension "
+          f"{dim}, which a transformation over stacked layers (nn.scan, nn.vmap) takes out: "
+          "each layer would live on other devices. Give the specs yourself (split another "
+          "dimension), or gather='model'.")
+    return self._replace(spec=self.spec[:dim] + self.spec[dim + 1:],
+                         shape=self.shape[:dim] + self.shape[dim + 1:])
+
+  def with_axis(self, dim: int, size: int) -> Shard:
+    """The inverse of :meth:`without`: an unsplit dimension of ``size`` put back at ``dim``."""
+    dim = dim if dim >= 0 else len(self.spec) + 1 + dim
+    return self._replace(spec=self.spec[:dim] + ((),) + self.spec[dim:],
+                         shape=self.shape[:dim] + (size,) + self.shape[dim:])
+
   def of_slice(self, shape: Sequence[int]) -> Shard:
     """The layout of a read of ``shape``: the stored slice itself, or one layer of it
     (``nnx.scan`` / ``nnx.vmap`` over stacked layers hand their body the slice with the
