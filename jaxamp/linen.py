@@ -68,7 +68,7 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
                           path_name, resolve_policy, resolve_tree)
-from jaxamp.train.gather import gathered
+from jaxamp.train.gather import RawSliceRead, gathered
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -282,6 +282,34 @@ class _Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
 
   value: Any
   shard: Any = struct.field(pytree_node=False)  # jaxamp.train.gather.Shard
+  name: str = struct.field(pytree_node=False, default="")  # the parameter's path
+
+  def _raw(self, what: str) -> Any:
+    raise RawSliceRead(
+        f"gather='layer': parameter {self.name} was used as an array ({what}) without "
+        "being read through self.param (self.variables['params'][...], a tied head, say): "
+        "there it is this device's slice, not the parameter. Gather the whole model at "
+        "the step's start: jaxamp.fsdp(..., gather='model') (what gather='auto' falls "
+        "back to).")
+
+  def __getattr__(self, name: str) -> Any:  # .T, .shape, .astype, ...: not an array
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return self._raw(f".{name}")
+
+  def __jax_array__(self) -> Any:
+    return self._raw("jnp.asarray")
+
+  def __array__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._raw("np.asarray")
+
+  def __getitem__(self, key: Any) -> Any:
+    return self._raw("indexed")
+
+  def __matmul__(self, other: Any) -> Any:
+    return self._raw("@")
+
+  __rmatmul__ = __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __matmul__
 
   def unbox(self) -> Any:
     x = self.value
@@ -307,8 +335,9 @@ def gathered_on_read(params: Any, shards: Sequence[Any]) -> Any:
   sharded leaf (``shards``: a :class:`jaxamp.train.gather.Shard` per leaf) boxed so that
   a module reading it gathers it, in that module's compute dtype, and the module runs
   under its own checkpoint that gathers it again for the backward pass."""
-  leaves, treedef = jax.tree.flatten(params)
-  return treedef.unflatten([_Slice(x, s) if s.sharded else x for x, s in zip(leaves, shards)])
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return treedef.unflatten([_Slice(x, s, path_name(p)) if s.sharded else x
+                            for (p, x), s in zip(paths, shards)])
 
 
 def _planned(variables: Any) -> Any:

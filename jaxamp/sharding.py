@@ -105,7 +105,10 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
     one collective per parameter, but each device holds the whole model gathered (in
     the compute dtypes) and its whole float32 gradient at once.
   - ``'auto'`` (default): ``'layer'`` for NNX and Linen models, ``'model'`` for Equinox
-    models and NNX models holding bridged Linen modules (``nnx.bridge.ToNNX``).
+    models and NNX models holding bridged Linen modules (``nnx.bridge.ToNNX``), and for
+    Linen models found, when the step is traced, to use a parameter without
+    ``self.param`` (a tied head reading ``self.variables``, as Hugging Face's Flax LMs
+    do); ``train.plan.layer_gather`` says which was chosen.
 
   Args:
     axis: a mesh axis name, or several (sharded over their product).

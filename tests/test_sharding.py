@@ -120,6 +120,41 @@ def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_or_linen_m
     assert step.plan.layer_gather, model
 
 
+def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_auto():
+  """A tied head reading another module's table through self.variables (as Hugging
+  Face's Flax LMs do) sees the slice's box, not an array: 'auto' then gathers the whole
+  model at the step's start, and trains; 'layer' is refused, naming the parameter."""
+
+  class TiedHead(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(16, 8, name="embed")
+      h = nn.Dense(8)(embed(ids))
+      return h @ self.variables["params"]["embed"]["embedding"].T
+
+  mesh = jax.make_mesh((1,), ("fsdp",))
+  ids = jnp.arange(4)[None] % 16
+  variables = TiedHead().init(jax.random.key(0), ids)
+  loss = lambda m, b: jnp.mean(m(b).astype(jnp.float32) ** 2)
+  make = lambda gather: jaxamp.make_train_step(
+      loss, optax.sgd(0.1), policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
+      param_sharding=fsdp(min_size=16, gather=gather))
+  with pytest.raises(ValueError, match=r"gather='layer': parameter embed/embedding was used "
+                     r"as an array \(\.T\) without being read through self\.param"):
+    train = make("layer")
+    train.step(train.init(TiedHead(), variables, ids), ids)
+  out = []
+  for gather in ("auto", "model"):
+    train = make(gather)
+    state = train.init(TiedHead(), jax.tree.map(jnp.copy, variables), ids)
+    assert train.plan.layer_gather == (gather == "auto")  # before the first trace
+    state, _ = train.step(state, ids)
+    assert not train.plan.layer_gather
+    out.append(jax.tree.leaves(state.params))
+  for a, b in zip(*out):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_gathers():
   mesh = jax.make_mesh((1,), ("fsdp",))
   batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 16))}

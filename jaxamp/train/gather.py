@@ -41,8 +41,8 @@ from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.residuals import gathers
 
-__all__ = ["Shard", "gathered", "reduced", "gather_all", "reduce_all", "compiler_options",
-           "check_reads"]
+__all__ = ["Shard", "RawSliceRead", "gathered", "reduced", "gather_all", "reduce_all",
+           "compiler_options", "check_reads"]
 
 # XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
 # subexpression elimination, which then merges each re-gather of the backward pass with
@@ -52,6 +52,14 @@ __all__ = ["Shard", "gathered", "reduced", "gather_all", "reduce_all", "compiler
 # puts such barriers there for this very reason. Other backends are left as they are
 # (whether XLA:GPU keeps them through CSE is not checked here).
 _KEEP_BARRIERS = ("xla_disable_hlo_passes", "cse_barrier_expander")
+
+
+class RawSliceRead(AttributeError):
+  """A model used a parameter slice (``gather='layer'``) as an array without reading it
+  through the library's parameter read: a Linen module reading
+  ``self.variables['params']`` rather than ``self.param`` (Hugging Face's tied LM
+  heads). Raised while the step is traced; ``gather='auto'`` then gathers the whole
+  model instead. An ``AttributeError``, so ``hasattr`` probes of the slice say no."""
 
 
 class Shard(NamedTuple):

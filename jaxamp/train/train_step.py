@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import policy as policy_lib
+from jaxamp import sharding as sharding_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import init as init_lib
 from jaxamp.train import gather, layout
@@ -220,7 +221,7 @@ class TrainStep:
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.step(...).")
     state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
-    new_state, metrics = self._plain_reads_if_needed(lambda: self._step_jit(state, batch))
+    new_state, metrics = self._made_again_if_needed(lambda: self._step_jit(state, batch))
     if not isinstance(new_state.step, jax.core.Tracer):  # not called inside the user's jit
       self._last_state = new_state
     if self._streaks is not None:
@@ -275,7 +276,8 @@ class TrainStep:
     """
     if self._step_jit is None:
       raise RuntimeError("Call train.init(...) before train.trace(...).")
-    return self._step_jit.trace(self._accepted(state, place=False), batch)
+    state = self._accepted(state, place=False)
+    return self._made_again_if_needed(lambda: self._step_jit.trace(state, batch))
 
   def lower(self, state: TrainState, batch: Any, *,
             platforms: Sequence[str] | None = None) -> Any:
@@ -298,23 +300,35 @@ class TrainStep:
       traced = self.trace(state, batch)
       return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
 
-    return self._plain_reads_if_needed(lower)
+    return self._made_again_if_needed(lower)
 
-  def _plain_reads_if_needed(self, run: Callable[[], Any]) -> Any:
-    """``run()``; if it fails because ``loss_fn`` takes a forward-mode derivative
-    (``jax.jvp``) with respect to the parameters, which a recording read's
-    ``custom_vjp`` cannot take (JAX says so when it lowers the step), the step is made
-    again with plain reads (every gradient then crosses the skip in float32) and
-    ``run()`` runs once more. Nothing was donated: lowering failed before any run."""
-    try:
-      return run()
-    except TypeError as e:
-      if (not self.plan.narrow_reads
-          or "forward-mode autodiff (jvp) to a custom_vjp" not in str(e)):
-        raise
-    self.plan = dataclasses.replace(self.plan, narrow_reads=False)
-    self._compile()
-    return run()
+  def _made_again_if_needed(self, run: Callable[[], Any]) -> Any:
+    """``run()``, and once more with the step made again where tracing or lowering it
+    found that the plan cannot serve this model and loss (nothing was donated then):
+
+    - ``loss_fn`` takes a forward-mode derivative (``jax.jvp``) with respect to the
+      parameters, which a recording read's ``custom_vjp`` cannot take: plain reads
+      (every gradient then crosses the skip in float32);
+    - under ``gather='auto'`` the model uses a parameter slice as an array rather than
+      reading it (:class:`~jaxamp.train.gather.RawSliceRead`: a Linen tied head reading
+      ``self.variables``): the whole model gathered at the step's start. Under
+      ``gather='layer'`` that is refused, naming the parameter.
+    """
+    while True:
+      try:
+        return run()
+      except TypeError as e:
+        if (not self.plan.narrow_reads
+            or "forward-mode autodiff (jvp) to a custom_vjp" not in str(e)):
+          raise
+        self.plan = dataclasses.replace(self.plan, narrow_reads=False)
+      except gather.RawSliceRead as e:
+        if not self.plan.layer_gather:
+          raise
+        if sharding_lib.gather_of(self.options.param_sharding) == "layer":
+          raise ValueError(str(e)) from None
+        self.plan = dataclasses.replace(self.plan, layer_gather=False)
+      self._compile()
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
