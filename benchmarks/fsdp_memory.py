@@ -3,7 +3,8 @@
 Two transformer LMs (:data:`CONFIGS`: the CPU benchmark LM, whose activations outweigh
 its parameters, and a wider one on short sequences, whose parameters outweigh its
 activations), each as :class:`benchmarks.models.GPT` (unrolled) and
-:class:`benchmarks.models.ScanGPT` (blocks stacked and run by ``nnx.scan``), at several
+:class:`benchmarks.models.ScanGPT` (blocks stacked and run by ``nnx.scan``), and the
+same two in Flax Linen (:class:`benchmarks.models.LinenGPT`, ``nn.scan``), at several
 depths, trained under ``mixed_bfloat16`` with Adam on a mesh of 8 devices, data
 parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp', gather=...)``)
 gathering the whole model at the step's start (``'model'``) or each parameter where a
@@ -71,7 +72,25 @@ DEVICES = 8
 # Data parallel; FSDP gathering the whole model at the step's start; FSDP gathering each
 # parameter where a module reads it (jaxamp.fsdp(gather=...)).
 LAYOUTS = {"data parallel": None, "fsdp (model)": "model", "fsdp (layer)": "layer"}
-KINDS = {"unrolled": models.GPT, "scan-stacked": models.ScanGPT}
+# Each kind: the model of a config, and whether it is a Linen module.
+KINDS = {
+    "unrolled": (lambda cfg: models.GPT(cfg, rngs=nnx.Rngs(0)), False),
+    "scan-stacked": (lambda cfg: models.ScanGPT(cfg, rngs=nnx.Rngs(0)), False),
+    "Linen, unrolled": (models.LinenGPT, True),
+    "Linen, scan-stacked": (lambda cfg: models.LinenGPT(cfg, scan=True), True),
+}
+NOT_BLOCKS = ("tok", "pos", "ln", "head")  # every other top-level parameter is a block's
+
+
+def _init(kind: str, cfg: models.LMConfig, train: Any) -> tuple[Any, Any]:
+  """The model's parameters (a mapping by top-level name) and ``train.init``'s state."""
+  make, linen = KINDS[kind]
+  model = make(cfg)
+  if linen:
+    ids = models.lm_batch(cfg)["ids"]
+    variables = jax.jit(model.init)(jax.random.key(0), ids)
+    return variables["params"], train.init(model, variables, ids)
+  return nnx.state(model, nnx.Param), train.init(model)
 
 
 def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
@@ -90,27 +109,24 @@ def _gathered_bytes(train: Any, params: Any) -> int | None:
              for x, d in zip(jax.tree.leaves(params), train.plan.gather_dtypes))
 
 
-def _block_elements(model: Any, kind: str, layers: int) -> float:
+def _block_elements(params: Any, layers: int) -> float:
   """The parameter elements of one block."""
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  if kind == "scan-stacked":
-    return count(nnx.state(model.blocks, nnx.Param)) / layers
-  return count(nnx.state(model.blocks[0], nnx.Param))
+  return sum(count(params[k]) for k in params if k not in NOT_BLOCKS) / layers
 
 
 def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
             cfg: models.LMConfig) -> dict[str, Any]:
   cfg = models.LMConfig(cfg.vocab, cfg.dim, cfg.heads, layers, cfg.seq_len, cfg.batch)
-  model = KINDS[kind](cfg, rngs=nnx.Rngs(0))
   train = _step(layout, mesh)
-  state = train.init(model)
+  params, state = _init(kind, cfg, train)
   batch = models.lm_batch(cfg)
   start = time.perf_counter()
   lowered = train.lower(state, batch)
   mem = lowered.compile().memory_analysis()
   gathers = [c for c in collectives(lowered.as_text()) if c.op == "all-gather"]
   whole = _gathered_bytes(train, state.params)
-  block = _block_elements(model, kind, layers)
+  block = _block_elements(params, layers)
   total = sum(x.size for x in jax.tree.leaves(state.params))
   row = {
       "kind": kind, "layers": layers, "layout": layout,
@@ -130,7 +146,7 @@ def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
 def _candidate(kind: str, layout: str, mesh: jax.sharding.Mesh,
                cfg: models.LMConfig) -> measure_lib.Candidate:
   train = _step(layout, mesh)
-  state = train.init(KINDS[kind](cfg, rngs=nnx.Rngs(0)))
+  _, state = _init(kind, cfg, train)
   batch = jax.device_put(models.lm_batch(cfg), train.plan.batch_sharding())
   return measure_lib.Candidate("jaxamp", f"{kind}, {layout}", train.step, state, batch,
                                items=cfg.tokens, call=train.step, trace=train.trace)
@@ -264,7 +280,7 @@ def main() -> None:
         for layout in LAYOUTS:
           row = measure(kind, layers, layout, mesh, cfg)
           rows.append(row)
-          print(f"{title} {kind:12s} {layers:3d} {layout:14s} peak {_mib(row['peak']):>8s} "
+          print(f"{title} {kind:19s} {layers:3d} {layout:14s} peak {_mib(row['peak']):>8s} "
                 f"MiB  temp {_mib(row['temp']):>8s}  all-gathers {row['all_gathers']} "
                 f"({row['seconds']:.0f} s)", flush=True)
   times = (time_layouts(mesh, configs, args.time_layers, args.rounds)

@@ -6,7 +6,8 @@ the dtype set by hand on every layer with float32 parameters. The Keras twins ha
 the same layers, shapes and initial-value scales, built under a Keras dtype policy.
 
 - :class:`GPT`: a pre-norm decoder-only transformer LM (Flax NNX), token ids
-  ``(batch, length)`` to logits ``(batch, length, vocab)``.
+  ``(batch, length)`` to logits ``(batch, length, vocab)``; :class:`LinenGPT`, the
+  same LM in Flax Linen (for the FSDP benchmark's Linen rows).
 - :class:`ResNet`: ResNet v1.5 with bottleneck blocks and BatchNorm (Flax Linen), as
   in Flax's ImageNet example; ``stage_sizes=(3, 4, 6, 3)`` is ResNet-50.
 - :func:`keras_gpt`, :func:`keras_resnet`: the Keras functional twins.
@@ -21,6 +22,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -183,6 +185,50 @@ class ScanGPT(nnx.Module):
 
     x = self.tok(ids) + self.pos(jnp.arange(ids.shape[1]))
     return self.head(self.ln(run(x, self.blocks)))
+
+
+class LinenBlock(nn.Module):
+  """:class:`Block` in Flax Linen (``(x, None) -> (x, None)``, an ``nn.scan`` body)."""
+
+  dim: int
+  heads: int
+  dtype: Dtype = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    b, length, d = x.shape
+    dense = functools.partial(nn.Dense, dtype=self.dtype)
+    qkv = dense(3 * self.dim, name="qkv")(nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
+    qkv = qkv.reshape(b, length, 3, self.heads, d // self.heads)
+    out = _causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    x = x + dense(self.dim, name="proj")(out.reshape(b, length, d))
+    h = dense(4 * self.dim, name="up")(nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
+    return x + dense(self.dim, name="down")(jax.nn.gelu(h)), None
+
+
+class LinenGPT(nn.Module):
+  """:class:`GPT` in Flax Linen; ``scan=True``: :class:`ScanGPT`'s stacked blocks, run
+  by ``nn.scan``."""
+
+  cfg: LMConfig
+  scan: bool = False
+  dtype: Dtype = None
+
+  @nn.compact
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    x = (nn.Embed(cfg.vocab, cfg.dim, dtype=self.dtype, name="tok")(ids)
+         + nn.Embed(cfg.seq_len, cfg.dim, dtype=self.dtype, name="pos")(
+             jnp.arange(ids.shape[1])))
+    if self.scan:
+      blocks = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=cfg.layers)
+      x, _ = blocks(cfg.dim, cfg.heads, self.dtype, name="blocks")(x, None)
+    else:
+      for i in range(cfg.layers):
+        x, _ = LinenBlock(cfg.dim, cfg.heads, self.dtype, name=f"blocks_{i}")(x)
+    x = nn.LayerNorm(dtype=self.dtype, name="ln")(x)
+    return nn.Dense(cfg.vocab, dtype=self.dtype, name="head")(x)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -53,8 +53,9 @@ from jaxamp.casting import cast_leaf, is_floating_array, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.residuals import recompute_all
+from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import path_name, resolve_tree
+from jaxamp.train import gather as gather_lib
 
 __all__ = ["POLICY_METHODS", "with_policy", "module_policies", "unwrap", "view_policy",
            "matmul_census", "is_policy_view"]
@@ -209,6 +210,8 @@ def _reading(base: type) -> Callable[[Any, str], Any]:
 
   def __getattribute__(self, name: str) -> Any:
     value = get(self, name)
+    if gather_lib.is_slice(value):  # FSDP: gathered in the reading module's compute dtype
+      return value.unbox()
     if name[0] == "_" or not _state.stack:
       return value
     dtype = _state.stack[-1]
@@ -217,8 +220,10 @@ def _reading(base: type) -> Callable[[Any, str], Any]:
     if is_floating_array(value):
       return read_as(value, dtype)
     if type(value) in (list, tuple, dict):
-      return jax.tree.map(lambda x: read_as(x, dtype) if is_floating_array(x) else x, value,
-                          is_leaf=_is_module)
+      return jax.tree.map(
+          lambda x: x.unbox() if gather_lib.is_slice(x)
+          else read_as(x, dtype) if is_floating_array(x) else x, value,
+          is_leaf=lambda x: _is_module(x) or gather_lib.is_slice(x))
     return value
 
   return __getattribute__
@@ -250,12 +255,16 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
                kwargs: dict[str, Any]) -> Any:
   compute = info.policy.compute_dtype
   gather = fn is eqx.nn.Embedding.__call__  # a lookup: keep the table, cast the rows
+  sliced = _owns_slices(module)  # FSDP, gather='layer': fields gathered where read
 
   def run(module, args, kwargs):
     args, kwargs = _cast_values(args, compute), _cast_values(kwargs, compute)
+    # Its parameter slices are gathered in its compute dtype, after its inputs.
+    tie = [x for x in jax.tree.leaves((args, kwargs)) if is_floating_array(x)] if sliced else None
     _state.stack.append(None if gather else compute)
     try:
-      return fn(module, *args, **kwargs)
+      with gather_lib.reading(compute, tie):
+        return fn(module, *args, **kwargs)
     finally:
       _state.stack.pop()
 
@@ -263,12 +272,21 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
     # The cast inside the checkpoint: reverse mode keeps the half-precision input, not
     # the float32 intermediates.
     run = eqx.filter_checkpoint(run, policy=recompute_all)
+  elif sliced:  # gathered again in the backward pass, not kept
+    run = eqx.filter_checkpoint(run, policy=regather_policy(compute))
   if info.scope is not None:  # a census run
     with jax.named_scope(scope_name(info.scope)):
       out = run(module, args, kwargs)
   else:
     out = run(module, args, kwargs)
   return _cast_values(out, info.output_dtype)
+
+
+def _owns_slices(module: Any) -> bool:
+  """Whether a field of ``module`` holds a parameter slice gathered where read (FSDP)."""
+  stop = lambda x: _is_module(x) or gather_lib.is_slice(x)  # a submodule's are its own
+  return any(gather_lib.is_slice(x) for value in module.__dict__.values()
+             for x in jax.tree.leaves(value, is_leaf=stop))
 
 
 def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
@@ -408,9 +426,11 @@ def matmul_census(model: Any, *args: Any, policy: PolicyLike | None = None,
 def _census(view: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[list[Any], list[str]]:
   """The census of ``view``'s ``name`` call: each module under a named scope."""
+  view = gather_lib.whole(view)  # FSDP slices as whole parameters' shapes
   modules = list(_walk(view))
   scopes = {path: i for i, (path, _) in enumerate(modules)}
-  arrays, static = eqx.partition((view, args, kwargs), eqx.is_array)
+  arrays, static = eqx.partition(
+      (view, args, kwargs), lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct))
 
   def scoped(path: tuple[Any, ...], module: Any, top: bool) -> type:
     info = _info(module)

@@ -47,14 +47,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.core
 import flax.linen as nn
-from flax import struct
-from flax.core import meta as flax_meta
 import jax
 import numpy as np
 
@@ -68,7 +65,7 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
                           path_name, resolve_policy, resolve_tree)
-from jaxamp.train.gather import RawSliceRead, gathered
+from jaxamp.train import gather as gather_lib
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -253,93 +250,6 @@ def _apply_plan(module: nn.Module, variables: Any, args: tuple[Any, ...],
 # --- FSDP: parameter slices gathered where they are read -------------------------------------
 
 
-class _Reading(threading.local):
-  dtype: Any = None  # the compute dtype of the module running (reading its parameters)
-  tie: Any = None  # that module's array inputs, which its gathers wait for
-
-
-_reading_now = _Reading()
-
-
-@contextlib.contextmanager
-def _reading(dtype: Any, tie: Any = None) -> Iterator[None]:
-  """Parameter slices read in the ``with`` block are gathered in ``dtype``, after ``tie``."""
-  old = _reading_now.dtype, _reading_now.tie
-  _reading_now.dtype, _reading_now.tie = dtype, tie
-  try:
-    yield
-  finally:
-    _reading_now.dtype, _reading_now.tie = old
-
-
-class _Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
-  """This device's slice of a sharded parameter, inside the train step's ``shard_map``
-  (``gather='layer'``). Linen unboxes a parameter where a module reads it
-  (``self.param``): the slice is then cast to the reading module's compute dtype and
-  all-gathered (:func:`jaxamp.train.gather.gathered`), its gradient reduce-scattered.
-  ``nn.scan``/``nn.vmap`` over stacked layers say which dimension they take out
-  (``remove_axis``), so a read inside the body gathers one layer's slice."""
-
-  value: Any
-  shard: Any = struct.field(pytree_node=False)  # jaxamp.train.gather.Shard
-  name: str = struct.field(pytree_node=False, default="")  # the parameter's path
-
-  def _raw(self, what: str) -> Any:
-    raise RawSliceRead(
-        f"gather='layer': parameter {self.name} was used as an array ({what}) without "
-        "being read through self.param (self.variables['params'][...], a tied head, say): "
-        "there it is this device's slice, not the parameter. Gather the whole model at "
-        "the step's start: jaxamp.fsdp(..., gather='model') (what gather='auto' falls "
-        "back to).")
-
-  def __getattr__(self, name: str) -> Any:  # .T, .shape, .astype, ...: not an array
-    if name.startswith("__"):
-      raise AttributeError(name)
-    return self._raw(f".{name}")
-
-  def __jax_array__(self) -> Any:
-    return self._raw("jnp.asarray")
-
-  def __array__(self, *args: Any, **kwargs: Any) -> Any:
-    return self._raw("np.asarray")
-
-  def __getitem__(self, key: Any) -> Any:
-    return self._raw("indexed")
-
-  def __matmul__(self, other: Any) -> Any:
-    return self._raw("@")
-
-  __rmatmul__ = __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __matmul__
-
-  def unbox(self) -> Any:
-    x = self.value
-    if _reading_now.tie:  # the gather waits for the reading module's inputs
-      x, _ = jax.lax.optimization_barrier((x, _reading_now.tie))
-    dtype = _reading_now.dtype if is_floating_array(x) and _reading_now.dtype else x.dtype
-    return gathered(x, self.shard, dtype)
-
-  def replace_boxed(self, val: Any) -> _Slice:
-    return self.replace(value=val)
-
-  def add_axis(self, index: int, params: Any) -> _Slice:
-    del params
-    return self.replace(shard=self.shard.with_axis(index, np.shape(self.value)[index]))
-
-  def remove_axis(self, index: int, params: Any) -> _Slice:
-    del params
-    return self.replace(shard=self.shard.without(index))
-
-
-def gathered_on_read(params: Any, shards: Sequence[Any]) -> Any:
-  """``params`` (this device's slices, inside the step's ``shard_map``) with each
-  sharded leaf (``shards``: a :class:`jaxamp.train.gather.Shard` per leaf) boxed so that
-  a module reading it gathers it, in that module's compute dtype, and the module runs
-  under its own checkpoint that gathers it again for the backward pass."""
-  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-  return treedef.unflatten([_Slice(x, s, path_name(p)) if s.sharded else x
-                            for (p, x), s in zip(paths, shards)])
-
-
 def _planned(variables: Any) -> Any:
   """``variables`` as the abstract pass sees them (:func:`_apply_plan`): parameter slices
   (FSDP, ``gather='layer'``) as whole parameters, and floating parameters of mixed dtypes
@@ -348,26 +258,22 @@ def _planned(variables: Any) -> Any:
   LayerNorm would come back float32 and fail ``nn.scan``'s carry check."""
   if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
     return variables
-  is_slice = lambda x: isinstance(x, _Slice)
   params = variables["params"]
-  leaves = jax.tree.leaves(params, is_leaf=is_slice)
-  floating = {(x.value if is_slice(x) else x).dtype for x in leaves
-              if is_floating_array(x.value if is_slice(x) else x)}
-  if len(floating) < 2 and not any(map(is_slice, leaves)):
+  leaves = jax.tree.leaves(params, is_leaf=gather_lib.is_slice)
+  floating = {x.dtype for x in jax.tree.leaves(params) if is_floating_array(x)}
+  if len(floating) < 2 and not any(map(gather_lib.is_slice, leaves)):
     return variables
-
-  def whole(x: Any) -> Any:
-    shape, x = (x.shard.global_shape, x.value) if is_slice(x) else (np.shape(x), x)
-    dtype = np.float32 if len(floating) > 1 and is_floating_array(x) else x.dtype
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-  return {**variables, "params": jax.tree.map(whole, params, is_leaf=is_slice)}
+  params = gather_lib.whole(params)
+  if len(floating) > 1:
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32)
+                          if is_floating_dtype(x.dtype) else x, params)
+  return {**variables, "params": params}
 
 
 def _owns_slices(module: nn.Module) -> bool:
   """Whether some parameter directly in ``module``'s scope is a slice read gathered."""
   params = module.variables.get("params", {})
-  return isinstance(params, Mapping) and any(isinstance(v, _Slice) for v in params.values())
+  return isinstance(params, Mapping) and any(map(gather_lib.is_slice, params.values()))
 
 
 # --- casting ---------------------------------------------------------------------------------
@@ -391,7 +297,7 @@ def _cast_module_params(tree: Any, policies: Mapping[Path, Policy],
     if isinstance(value, Mapping):
       out[key] = value if sub in skip else _cast_module_params(value, policies, dtype_of,
                                                                sub, skip)
-    elif policy is not None and not isinstance(value, _Slice):  # slices: cast when read
+    elif policy is not None and not gather_lib.is_slice(value):  # slices: cast when read
       out[key] = read_as(value, dtype_of(policy))
     else:
       out[key] = value
@@ -535,7 +441,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
       for i, x in zip(where, arrays):
         full[i] = x
       a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
-      with _reading(compute, list(arrays) if tie else None):
+      with gather_lib.reading(compute, list(arrays) if tie else None):
         return linen_unbound_method(context)(clone, *a, **k)
 
     mapping.add(path)  # the clone nn.remat runs is already cast
@@ -581,7 +487,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     if context.method_name == "setup":
       policy = policy_of(module, path)
       with _fields_set(module, _dtype_fields(module, policy)), \
-          places.running(path, nested), scoped(path), _reading(policy.compute_dtype):
+          places.running(path, nested), scoped(path), gather_lib.reading(policy.compute_dtype):
         return next_fun(*args, **kwargs)
     if path in mapping:
       places.cloning = None
@@ -599,7 +505,7 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
         stack.enter_context(_fields_set(module, fields))
         stack.enter_context(places.running(path, nested))
         stack.enter_context(scoped(path))
-        stack.enter_context(_reading(compute))  # its parameter slices, if any
+        stack.enter_context(gather_lib.reading(compute))  # its parameter slices, if any
         plain = path not in lifted and not nested and not module.is_initializing()
         if (recompute_norms and plain and _is_norm(type(module)) and path not in not_norm
             and _widens((args, kwargs), compute)):

@@ -100,15 +100,16 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
     backward pass gathers again rather than keeping the gathered copy. One layer's
     parameters are live at a time (under ``nnx.scan`` over stacked layers, one layer's
     slice; under ``nn.scan``, likewise), so the step's peak memory grows with the
-    model's size over the devices, as PyTorch FSDP's does. NNX and Linen models.
+    model's size over the devices, as PyTorch FSDP's does. NNX, Linen and Equinox
+    models (an NNX model holding bridged Linen modules, ``nnx.bridge.ToNNX``, is refused).
   - ``'model'``: every parameter at the start of the step, every gradient at its end:
     one collective per parameter, but each device holds the whole model gathered (in
     the compute dtypes) and its whole float32 gradient at once.
-  - ``'auto'`` (default): ``'layer'`` for NNX and Linen models, ``'model'`` for Equinox
-    models and NNX models holding bridged Linen modules (``nnx.bridge.ToNNX``), and for
-    Linen models found, when the step is traced, to use a parameter without
-    ``self.param`` (a tied head reading ``self.variables``, as Hugging Face's Flax LMs
-    do); ``train.plan.layer_gather`` says which was chosen.
+  - ``'auto'`` (default): ``'layer'`` where it can be done, else ``'model'``: for NNX
+    models holding bridged Linen modules, and for models or losses found, when the step
+    is first traced, to use a parameter's raw array (a Linen tied head reading
+    ``self.variables``, as Hugging Face's Flax LMs do; a ``loss_fn`` taking
+    ``jax.tree.leaves`` of the parameters). ``train.plan.layer_gather`` says which.
 
   Args:
     axis: a mesh axis name, or several (sharded over their product).

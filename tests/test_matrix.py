@@ -105,10 +105,9 @@ def test_a_combination_trains_as_one_device_or_is_refused_at_init(results, index
   assert got["fp8"] <= FP8_TOLERANCE.get(row["policy"], FP8_DEFAULT), got
   assert got["records"] == got["reference_records"], got  # skips and loss scales
   assert got["skips_exact"] and got["replicas_agree"], got
-  # jaxamp.fsdp's default gathers an NNX or Linen model's parameters where its modules
-  # read them (an Equinox model's at the step's start); the whole-model layout asks for that.
-  per_layer = (row["model"] != "equinox" and row["layout"] not in ("replicated",
-                                                                   "fsdp, whole model"))
+  # jaxamp.fsdp's default gathers each parameter where its module reads it; the
+  # whole-model layout asks for the whole model at the step's start.
+  per_layer = row["layout"] not in ("replicated", "fsdp, whole model")
   assert got["layer_gather"] == per_layer, got
   skipped = [n for n, _ in got["records"]]
   if row["fault"] != "none":  # the inf on one device's rows skips that step, everywhere

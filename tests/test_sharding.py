@@ -89,7 +89,7 @@ def test_bad_param_shardings_are_named():
                            mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
 
 
-def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_or_linen_model():
+def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are_seen():
   eqx = pytest.importorskip("equinox")
   with pytest.raises(ValueError, match=r"gather must be one of 'auto', 'layer', 'model', "
                      r"got 'layers'"):
@@ -104,17 +104,18 @@ def test_gather_is_one_of_the_named_places_and_per_layer_needs_an_nnx_or_linen_m
   make = lambda gather: jaxamp.make_train_step(
       lambda m, b: m(b).sum(), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
       param_sharding=fsdp(min_size=1, gather=gather))
-  linear = eqx.nn.Linear(8, 4, key=jax.random.key(0))
-  with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where a module "
-                     r"reads it, but a Linear is neither an NNX nor a Linen model\. Use "
-                     r"gather='model'"):
-    make("layer").init(linear)
-  auto = make("auto")
-  auto.init(linear)
-  assert not auto.plan.layer_gather  # an Equinox model: the whole model, at the step's start
   x = jnp.ones((2, 8))
+  bridged = nnx.bridge.lazy_init(nnx.bridge.ToNNX(nn.Dense(4), rngs=nnx.Rngs(0)), x)
+  with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where a module "
+                     r"reads it, but the model holds bridged Linen modules \(nnx\.bridge\."
+                     r"ToNNX\)\. Use gather='model'"):
+    make("layer").init(bridged)
+  auto = make("auto")
+  auto.init(bridged)
+  assert not auto.plan.layer_gather  # the whole model, at the step's start
   for model, variables in ((nnx.Linear(8, 4, rngs=nnx.Rngs(0)), None),
-                           (nn.Dense(4), nn.Dense(4).init(jax.random.key(0), x))):
+                           (nn.Dense(4), nn.Dense(4).init(jax.random.key(0), x)),
+                           (eqx.nn.Linear(8, 4, key=jax.random.key(0)), None)):
     step = make("auto")
     step.init(model) if variables is None else step.init(model, variables, x)
     assert step.plan.layer_gather, model
@@ -140,7 +141,8 @@ def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_
       loss, optax.sgd(0.1), policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
       param_sharding=fsdp(min_size=16, gather=gather))
   with pytest.raises(ValueError, match=r"gather='layer': parameter embed/embedding was used "
-                     r"as an array \(\.T\) without being read through self\.param"):
+                     r"as an array \(\.T\) without being read as a parameter \(a Linen module "
+                     r"reading self\.variables\['params'\] rather than self\.param"):
     train = make("layer")
     train.step(train.init(TiedHead(), variables, ids), ids)
   out = []
@@ -174,12 +176,14 @@ def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_
                      r"array by integer_pow .*gather='model'"):
     train.step(state, batch)
   out = []
-  for gather, l2 in [("layer", read), ("model", raw), ("model", read)]:
+  for gather, l2 in [("layer", read), ("model", raw), ("model", read), ("auto", raw)]:
     train, state = make(gather, l2)
     state, _ = train.step(state, batch)
+    # 'auto' reads raw: it gathers the whole model instead
+    assert train.plan.layer_gather == (gather == "layer"), gather
     out.append(np.asarray(state.params["kernel"]))
-  np.testing.assert_allclose(out[0], out[1], rtol=1e-6)
-  np.testing.assert_allclose(out[0], out[2], rtol=1e-6)
+  for other in out[1:]:
+    np.testing.assert_allclose(out[0], other, rtol=1e-6)
 
 
 def test_a_layer_of_a_stacked_slice_keeps_its_split_and_a_split_layer_axis_is_refused():
@@ -586,12 +590,13 @@ _LINEN_EIGHT_DEVICES = textwrap.dedent("""
     assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
     assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
 
-    # 2. One layer's parameters live at a time: the per-layer step's temporaries are
-    #    smaller than the whole-model step's by more than half the stacked kernels.
+    # 2. One layer's parameters live at a time: the per-layer step's temporaries are a
+    #    fraction of the whole-model step's.
     temps = {{g: made('float32', g, optax.adam(1e-3))[0] for g in ('layer', 'model')}}
     temps = {{g: t.lower(made('float32', g, optax.adam(1e-3))[1], batches[0]).compile()
                  .memory_analysis().temp_size_in_bytes for g, t in temps.items()}}
-    assert temps['layer'] + 6 * 2 * 64 * 64 * 4 // 2 < temps['model'], temps
+    assert temps['layer'] < 0.4 * temps['model'], temps  # 0.24 measured (without the
+    # per-module checkpoint that gathers again in the backward pass: 0.62)
 
     # 3. Trains as one device does. Under mixed_bfloat16 the per-layer step rounds in
     #    other places (each read of the tied table reduces its own gradient in float32,
@@ -616,13 +621,105 @@ _LINEN_EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_linen_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path):
-  path = tmp_path / "linen_sharded.py"
-  path.write_text(_LINEN_EIGHT_DEVICES.format(root=ROOT, tests=TESTS))
+_EQUINOX_EIGHT_DEVICES = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import equinox as eqx
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import jaxamp
+    from jaxamp.sharding import collectives
+    from test_train import loss_fn, make_batches, leaves
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+    batches = make_batches(2, size=32)
+
+    class Block(eqx.Module):
+      norm: eqx.nn.LayerNorm
+      up: eqx.nn.Linear
+      down: eqx.nn.Linear
+
+      def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.LayerNorm(64)
+        self.up, self.down = eqx.nn.Linear(64, 64, key=k1), eqx.nn.Linear(64, 64, key=k2)
+
+      def __call__(self, h):
+        return h + jax.vmap(self.down)(jax.nn.relu(jax.vmap(self.up)(jax.vmap(self.norm)(h))))
+
+    class Model(eqx.Module):  # a tied embedding table around 6 stacked blocks, lax.scan
+      embed: eqx.nn.Embedding
+      blocks: Block
+
+      def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(16, 64, key=k1)
+        self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, 6))
+
+      def __call__(self, x):
+        h = jax.vmap(self.embed)(jnp.argmax(x[:, :4], axis=-1))
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)
+        return (h @ self.embed.weight.T)[:, :4]
+
+    def made(policy, gather=None, opt=optax.sgd(0.5)):
+      kw = {{}} if gather is None else dict(
+          mesh=mesh, batch_axis=('data', 'fsdp'),
+          param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
+      train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **kw)
+      return train, train.init(Model(jax.random.key(0)))
+
+    # 1. Gathered per layer by default, in bfloat16 under mixed_bfloat16 (the LayerNorms'
+    #    float32, by the norm rule); the tied table at both reads; one layer of the stack.
+    train, state = made('mixed_bfloat16', 'auto')
+    assert train.plan.layer_gather
+    found = collectives(train.lower(state, batches[0]).as_text())
+    gathers = [c for c in found if c.op == 'all-gather']
+    assert {{c.bytes for c in gathers if c.dtype == 'f32'}} == {{64 * 4}}, found
+    assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'bf16'}}, found
+    assert len([c for c in gathers if c.bytes == 16 * 64 * 2]) >= 2, found  # the table
+    assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
+    assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
+
+    # 2. One layer's parameters live at a time.
+    temps = {{}}
+    for gather in ('layer', 'model'):
+      train, state = made('float32', gather, optax.adam(1e-3))
+      temps[gather] = train.lower(state, batches[0]).compile().memory_analysis(
+          ).temp_size_in_bytes
+    assert temps['layer'] < 0.4 * temps['model'], temps  # 0.24 measured (without the
+    # per-module checkpoint that gathers again in the backward pass: 0.62)
+
+    # 3. Trains as one device does (mixed_bfloat16: as close to float32 as one device's).
+    runs = {{}}
+    for policy in ('float32', 'mixed_bfloat16'):
+      for gather in (None, 'layer', 'model'):
+        train, state = made(policy, gather)
+        for b in batches:
+          state, _ = train.step(state, b)
+        runs[policy, gather] = leaves(state.params)
+    rms = lambda a, b: np.sqrt(np.mean(np.concatenate([(x - y).ravel() ** 2
+                                                       for x, y in zip(a, b)])))
+    reference = runs['float32', None]
+    for gather in ('layer', 'model'):
+      for got, want in zip(runs['float32', gather], reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+      error = rms(runs['mixed_bfloat16', gather], reference)
+      assert error <= 1.25 * rms(runs['mixed_bfloat16', None], reference), (gather, error)
+    print('EQUINOX-OK', temps)
+""")
+
+
+@pytest.mark.parametrize("library", ["linen", "equinox"])
+def test_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path, library):
+  if library == "equinox":
+    pytest.importorskip("equinox")
+  script = {"linen": _LINEN_EIGHT_DEVICES, "equinox": _EQUINOX_EIGHT_DEVICES}[library]
+  path = tmp_path / f"{library}_sharded.py"
+  path.write_text(script.format(root=ROOT, tests=TESTS))
   proc = _run([str(path)],
               {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert "LINEN-OK" in proc.stdout
+  assert f"{library.upper()}-OK" in proc.stdout
 
 
 # --- two processes ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from jaxamp import nnx as amp_nnx
 from jaxamp.casting import cast_floating
 from jaxamp.nnx._variables import gather_on_read
 from jaxamp.rules import path_name
+from jaxamp.train import gather
 from jaxamp.train.loss import F32
 from jaxamp.train.state import TrainState
 
@@ -128,7 +129,7 @@ class LinenAdapter:
                                             half_residuals=False)  # the step decides
     wrapped = self._wrapped
     if shards is not None:
-      params = amp_linen.gathered_on_read(params, shards)
+      params = gather.sliced(params, shards)
     cell = {"state": dict(model_state), "calls": 0}
     mutable = list(model_state) if train else False
 
@@ -174,12 +175,16 @@ class EquinoxAdapter:
     model_state, static = eqx.partition(rest, eqx.is_array)
     return params, model_state, static
 
-  def bind(self, params, model_state, rng, policy, *, train, float32_outputs):
+  def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
+    """``shards`` (``gather='layer'``, inside the step's ``shard_map``): as for NNX; each
+    sharded slice is gathered where a module's field is read."""
     del rng  # Equinox models take their keys as arguments
     import equinox as eqx  # pylint: disable=g-import-not-at-top
     from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
 
-    model = eqx.combine(params, model_state, self.static)
+    if shards is not None:
+      params = gather.sliced(params, shards)
+    model = eqx.combine(params, model_state, self.static, is_leaf=gather.is_slice)
     if not train:
       model = eqx.nn.inference_mode(model)  # Dropout off (eval_step)
     view = amp_eqx.with_policy(model, policy, recompute_norms=self.recompute_norms,

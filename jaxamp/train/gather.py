@@ -29,20 +29,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from flax import struct
+from flax.core import meta as flax_meta
 
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array
 from jaxamp.residuals import gathers
+from jaxamp.rules import path_name
 
-__all__ = ["Shard", "RawSliceRead", "gathered", "reduced", "gather_all", "reduce_all",
-           "compiler_options", "check_reads"]
+__all__ = ["Shard", "Slice", "RawSliceRead", "gathered", "reduced", "sliced", "is_slice",
+           "whole", "reading", "gather_all", "reduce_all", "compiler_options", "check_reads"]
 
 # XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
 # subexpression elimination, which then merges each re-gather of the backward pass with
@@ -55,11 +60,12 @@ _KEEP_BARRIERS = ("xla_disable_hlo_passes", "cse_barrier_expander")
 
 
 class RawSliceRead(AttributeError):
-  """A model used a parameter slice (``gather='layer'``) as an array without reading it
-  through the library's parameter read: a Linen module reading
-  ``self.variables['params']`` rather than ``self.param`` (Hugging Face's tied LM
-  heads). Raised while the step is traced; ``gather='auto'`` then gathers the whole
-  model instead. An ``AttributeError``, so ``hasattr`` probes of the slice say no."""
+  """A model or loss used a parameter slice (``gather='layer'``) as an array without
+  reading it as a parameter: a Linen module reading ``self.variables['params']`` rather
+  than ``self.param`` (Hugging Face's tied LM heads), a ``loss_fn`` taking
+  ``jax.tree.leaves`` of the parameters. Raised while the step is traced;
+  ``gather='auto'`` then gathers the whole model instead, ``'layer'`` refuses. An
+  ``AttributeError``, so ``hasattr`` probes of a :class:`Slice` say no."""
 
 
 class Shard(NamedTuple):
@@ -206,6 +212,107 @@ def _gathered_bwd(shard: Shard, dtype: Any, stored: Any, ct: jax.Array) -> tuple
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
+class _Reading(threading.local):
+  dtype: Any = None  # the compute dtype of the module reading (None: the stored dtype)
+  tie: Any = None  # that module's array inputs, which its gathers wait for
+
+
+_reading_now = _Reading()
+
+
+@contextlib.contextmanager
+def reading(dtype: Any, tie: Any = None) -> Iterator[None]:
+  """:class:`Slice` s read in the ``with`` block are gathered in ``dtype`` (None: their
+  stored dtype), after ``tie`` (arrays the gathers wait for: the reading module's
+  inputs)."""
+  old = _reading_now.dtype, _reading_now.tie
+  _reading_now.dtype, _reading_now.tie = dtype, tie
+  try:
+    yield
+  finally:
+    _reading_now.dtype, _reading_now.tie = old
+
+
+class Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
+  """This device's slice of a sharded parameter, in the model a step binds inside its
+  ``shard_map`` (``gather='layer'``) where the model library has no per-read hook of its
+  own: Linen unboxes it where a module reads it (``self.param``, this being a Flax
+  ``AxisMetadata``; ``nn.scan``/``nn.vmap`` take the stacked dimension out of its layout),
+  Equinox policy views where a module's field is read. Reading it (:meth:`unbox`) casts
+  the slice to the dtype :func:`reading` says and all-gathers it (:func:`gathered`).
+  Used as an array otherwise, it raises :class:`RawSliceRead`.
+  """
+
+  value: Any
+  shard: Any = struct.field(pytree_node=False)  # a Shard
+  name: str = struct.field(pytree_node=False, default="")  # the parameter's path
+
+  def unbox(self) -> Any:
+    x = self.value
+    if _reading_now.tie:  # the gather waits for the reading module's inputs
+      x, _ = jax.lax.optimization_barrier((x, _reading_now.tie))
+    dtype = _reading_now.dtype if is_floating_array(x) and _reading_now.dtype else x.dtype
+    return gathered(x, self.shard.of_slice(np.shape(x)), dtype)
+
+  def replace_boxed(self, val: Any) -> Slice:
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: Any) -> Slice:
+    del params
+    return self.replace(shard=self.shard.with_axis(index, np.shape(self.value)[index]))
+
+  def remove_axis(self, index: int, params: Any) -> Slice:
+    del params
+    return self.replace(shard=self.shard.without(index))
+
+  def _raw(self, what: str) -> Any:
+    raise RawSliceRead(
+        f"gather='layer': parameter {self.name} was used as an array ({what}) without "
+        "being read as a parameter (a Linen module reading self.variables['params'] "
+        "rather than self.param, e.g. a tied head): there it is this device's slice, not "
+        "the parameter. Gather the whole model at the step's start: "
+        "jaxamp.fsdp(..., gather='model') (what gather='auto' falls back to).")
+
+  def __getattr__(self, name: str) -> Any:  # .T, .shape, .astype, ...: not an array
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return self._raw(f".{name}")
+
+  def __jax_array__(self) -> Any:
+    return self._raw("jnp.asarray")
+
+  def __array__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._raw("np.asarray")
+
+  def __getitem__(self, key: Any) -> Any:
+    return self._raw("indexed")
+
+  def __matmul__(self, other: Any) -> Any:
+    return self._raw("@")
+
+  __rmatmul__ = __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __matmul__
+
+
+def is_slice(x: Any) -> bool:
+  return isinstance(x, Slice)
+
+
+def sliced(params: Any, shards: Sequence[Shard]) -> Any:
+  """``params`` (this device's slices, inside the step's ``shard_map``) with each
+  sharded leaf (``shards``: one per leaf) boxed as a :class:`Slice`."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return treedef.unflatten([Slice(x, s, path_name(p)) if s.sharded else x
+                            for (p, x), s in zip(paths, shards)])
+
+
+def whole(tree: Any) -> Any:
+  """``tree`` with each :class:`Slice` as a ``jax.ShapeDtypeStruct`` of the whole
+  parameter (what an abstract pass over the model may trace)."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shard.global_shape, x.value.dtype) if is_slice(x)
+      else x, tree, is_leaf=is_slice)
+
+
 def gather_all(shards: Sequence[Shard], dtypes: Sequence[Any], params: Any) -> Any:
   """Inside shard_map (``gather='model'``): every param slice cast to its dtype in
   ``dtypes``, then all-gathered."""
@@ -246,13 +353,14 @@ def check_reads(jaxpr: Any, shards: Sequence[Shard], names: Sequence[str]) -> No
   ``jaxpr`` are the parameter slices, ``names`` their paths.
 
   Raises:
-    ValueError: naming the parameter and what used it.
+    RawSliceRead: naming the parameter and what used it (the train step then gathers
+      the whole model under ``gather='auto'``, and refuses under ``'layer'``).
   """
   for var, shard, name in zip(jaxpr.invars, shards, names):
     if shard.sharded:
       raw = _raw_use(jaxpr, var)
       if raw is not None:
-        raise ValueError(
+        raise RawSliceRead(
             f"gather='layer': parameter {name} is used as its raw array by {raw} (not read "
             "through its Variable, as module[...] or .get_value() do): there it is this "
             "device's shard of the parameter, not the parameter. Read it through its "

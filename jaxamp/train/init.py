@@ -226,14 +226,13 @@ def _linen_census(options: Options, model: Any, variables: Any, example_args: tu
 
 def _gathers_per_layer(options: Options, adapter: Any, model: Any) -> bool:
   """Whether the sharded step gathers each parameter where it is read (``gather``
-  ``'layer'``, or ``'auto'`` where the model supports it): NNX models (Variable hooks)
-  without bridged Linen modules (which read their parameters as a whole), and Linen
-  models (``self.param`` unboxes the slice), whose parameter reads jaxamp sees."""
+  ``'layer'``, or ``'auto'`` where the model supports it): models whose parameter reads
+  jaxamp sees: NNX models (Variable hooks) without bridged Linen modules (which read
+  their parameters as a whole), Linen models (``self.param`` unboxes the slice),
+  Equinox models (their policy views' field reads)."""
   gather = sharding_lib.gather_of(options.param_sharding)
   why = None
-  if not isinstance(adapter, (NNXAdapter, LinenAdapter)):
-    why = f"a {type(model).__name__} is neither an NNX nor a Linen model"
-  elif isinstance(adapter, NNXAdapter) and any(
+  if isinstance(adapter, NNXAdapter) and any(
       isinstance(node, nnx.bridge.ToNNX) for _, node in nnx.iter_graph(model)):
     why = "the model holds bridged Linen modules (nnx.bridge.ToNNX)"
   if gather == "layer" and why is not None:
