@@ -121,6 +121,38 @@ def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are
     assert step.plan.layer_gather, model
 
 
+@pytest.mark.parametrize("param_sharding", [None, fsdp("data", min_size=16)],
+                         ids=["replicated", "fsdp"])
+def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sharding):
+  """jax.make_mesh's axes are Explicit: there an embedding lookup of batch-sharded ids
+  asks for its output's sharding, which an unmodified model does not give. eval_step
+  runs the model with the axes Auto; per-example results come back split over the batch
+  axis, the rest replicated, with the values one device computes."""
+
+  class LM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(16, 8, rngs=rngs)
+      self.out = nnx.Linear(8, 16, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.out(self.embed(ids))
+
+  mesh = jax.make_mesh((1,), ("data",))
+  assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+  ids = jnp.arange(8).reshape(4, 2) % 16
+  loss = lambda m, b: jnp.mean(m(b) ** 2)
+  evaluate = lambda m, b: {"loss": loss(m, b), "logits": m(b)}
+  results = []
+  for kw in ({}, dict(mesh=mesh, batch_axis="data", param_sharding=param_sharding)):
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, **kw)
+    results.append(train.eval_step(train.init(LM(nnx.Rngs(0))), ids))
+  one, sharded = results
+  assert sharded["logits"].sharding.spec == P("data", None, None)
+  assert sharded["loss"].sharding.spec == P()
+  for key in ("loss", "logits"):
+    np.testing.assert_allclose(sharded[key], one[key], rtol=1e-6)
+
+
 def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_auto():
   """A tied head reading another module's table through self.variables (as Hugging
   Face's Flax LMs do) sees the slice's box, not an array: 'auto' then gathers the whole

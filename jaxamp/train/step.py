@@ -15,11 +15,12 @@ what ``TrainStep.step_fn`` hands users who call it inside their own ``jax.jit`` 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -33,6 +34,8 @@ from jaxamp.train.plan import Plan, autocast_under_level, rules_in_force
 from jaxamp.train.state import TrainState
 
 __all__ = ["step", "eval_step"]
+
+P = jax.sharding.PartitionSpec
 
 
 def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -108,6 +111,25 @@ def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
                                  train=False, float32_outputs=options.float32_outputs)
     return cast_floating(call_user(options.evaluate, model, batch), F32)
 
+  run = autocast_under_level(options, run, batch_argnum=2)
+  args = (params, state.model_state, batch)
   with rules_in_force(plan), fp8_lib.state_scope(state.fp8):
-    return autocast_under_level(options, run, batch_argnum=2)(params, state.model_state,
-                                                              batch)
+    if plan.mesh is not None and jax.sharding.AxisType.Explicit in plan.mesh.axis_types:
+      run = _on_auto_axes(plan, run, args)
+    return run(*args)
+
+
+def _on_auto_axes(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...]
+                  ) -> Callable[..., Any]:
+  """``fn`` run with the mesh's axes Auto (``jax.sharding.auto_axes``): the model's code
+  then needs no shardings of its own (under Explicit axes an embedding lookup of
+  batch-sharded ids asks for its output's). Results whose leading dimension is the
+  batch's come back split over the batch axes, the others replicated."""
+  mesh, axes = plan.mesh, plan.options.batch_axes
+  rows = {np.shape(x)[0] for x in jax.tree.leaves(args[-1]) if np.ndim(x)}
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  shapes = jax.eval_shape(jax.sharding.auto_axes(fn, out_sharding=replicated), *args)
+  specs = jax.tree.map(
+      lambda x: jax.sharding.NamedSharding(mesh, P(axes)) if x.ndim and x.shape[0] in rows
+      else replicated, shapes)
+  return jax.sharding.auto_axes(fn, out_sharding=specs)
