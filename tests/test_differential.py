@@ -242,18 +242,25 @@ out['gather'] = {'tied': attempt(lambda: difference(gathered('tied', **fsdp_kw),
                                                      gathered('tied')))}
 
 
-def linen_gathers():
+def linen_gathers(gather):
   # Which dtypes the step all-gathers a Linen model's params in when init had no example
-  # inputs (so its LayerNorm, float32 by default, cannot be told from its Dense layers).
+  # inputs (so its LayerNorm, float32 by default, cannot be told from its Dense layers
+  # before the step runs), by element count.
   module = LinenLN()
   variables = module.init(jax.random.key(0), jnp.zeros((1, 16)))
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', **fsdp_kw)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', mesh=mesh,
+                                 batch_axis='data',
+                                 param_sharding=jaxamp.fsdp('data', min_size=1, gather=gather))
   state = train.init(module, variables)
   text = train.lower(state, batches[0]).as_text()
-  return sorted({c.dtype for c in jaxamp.sharding.collectives(text) if c.op == 'all-gather'})
+  size = {'f32': 4, 'bf16': 2}
+  return sorted({(c.dtype, c.bytes // size[c.dtype])
+                 for c in jaxamp.sharding.collectives(text) if c.op == 'all-gather'})
 
 
-out['gather']['linen without example inputs'] = attempt(linen_gathers)
+for gather in ('model', 'layer'):
+  out['gather'][f'linen without example inputs, {gather}'] = attempt(
+      lambda: linen_gathers(gather))
 print('RESULT', json.dumps(out))
 """
 
@@ -294,9 +301,15 @@ def test_fsdp_gathers_a_tied_parameter_in_the_dtype_each_reader_needs(difference
 
 def test_fsdp_without_per_module_policies_gathers_in_the_stored_dtype(differences):
   """A Linen model initialised without example inputs (its modules' policies unknown)
-  had every parameter gathered in bfloat16, its float32 LayerNorm's too."""
-  got = differences["gather"]["linen without example inputs"]
-  assert got == ["f32"], got
+  had every parameter gathered in bfloat16, its float32 LayerNorm's too. Gathering the
+  whole model it gathers them in the stored dtype; gathering each where it is read, in
+  the reader's: the Dense layers' in bfloat16, the LayerNorm's in float32."""
+  whole = differences["gather"]["linen without example inputs, model"]
+  assert isinstance(whole, list) and {dtype for dtype, _ in whole} == {"f32"}, whole
+  layer = differences["gather"]["linen without example inputs, layer"]
+  dense = {16 * 32, 32, 32 * 8, 8}  # kernels and biases
+  assert isinstance(layer, list) and {tuple(x) for x in layer} == (
+      {("bf16", n) for n in dense} | {("f32", 32)}), layer  # LayerNorm's scale and bias
 
 
 @pytest.mark.parametrize("case", ["replicated, accumulation 1", "fsdp, accumulation 1",
