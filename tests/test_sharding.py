@@ -572,184 +572,148 @@ def test_the_sharding_guides_sizing_example_fits_8_devices_and_not_one(tmp_path)
   assert one > 8 and sharded < 1.5, proc.stdout
 
 
-_LINEN_EIGHT_DEVICES = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import jax, jax.numpy as jnp, numpy as np, optax
-    from flax import linen as nn
-    import jaxamp
-    from jaxamp.sharding import collectives
-    from test_train import loss_fn, make_batches, leaves
-    assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
-    batches = make_batches(2, size=32)
-    x = batches[0]['x']
+# Each script below builds ``Model``: a tied embedding table (16 x 64) around 6 stacked
+# blocks (LayerNorm, two 64 x 64 Dense/Linear layers) run by a scan, and
+# ``made(policy, gather=None, opt)``: a train step (on one device without ``gather``)
+# and its first state; _PER_LAYER_CHECKS then runs on it.
+_EIGHT_DEVICE_START = """
+import sys
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np, optax
+import jaxamp
+from jaxamp.sharding import collectives
+from test_train import loss_fn, make_batches, leaves
+assert jax.device_count() == 8, jax.devices()
+mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
+batches = make_batches(2, size=32)
+x = batches[0]['x']
 
-    class Block(nn.Module):
-      @nn.compact
-      def __call__(self, h, _):
-        return h + nn.Dense(64)(jax.nn.relu(nn.Dense(64)(nn.LayerNorm()(h)))), None
+def sharding(gather):
+  return {{}} if gather is None else dict(
+      mesh=mesh, batch_axis=('data', 'fsdp'),
+      param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
+"""
 
-    class Model(nn.Module):  # a tied embedding table around 6 scan-stacked blocks
-      @nn.compact
-      def __call__(self, x):
-        embed = nn.Embed(16, 64)
-        ids = jnp.argmax(x[:, :4], axis=-1)
-        h, _ = nn.scan(Block, variable_axes={{'params': 0}}, split_rngs={{'params': True}},
-                       length=6)()(embed(ids), None)
-        return embed.attend(h)[:, :4]
+_LINEN_MODEL = """
+from flax import linen as nn
 
-    variables = Model().init(jax.random.key(0), x)
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + nn.Dense(64)(jax.nn.relu(nn.Dense(64)(nn.LayerNorm()(h)))), None
 
-    def made(policy, gather=None, opt=optax.sgd(0.5)):
-      kw = {{}} if gather is None else dict(
-          mesh=mesh, batch_axis=('data', 'fsdp'),
-          param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
-      train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **kw)
-      return train, train.init(Model(), jax.tree.map(jnp.copy, variables), x)
+class Model(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    embed = nn.Embed(16, 64)
+    ids = jnp.argmax(x[:, :4], axis=-1)
+    h, _ = nn.scan(Block, variable_axes={{'params': 0}}, split_rngs={{'params': True}},
+                   length=6)()(embed(ids), None)
+    return embed.attend(h)[:, :4]
 
-    # 1. A Linen model gathers per layer by default; under mixed_bfloat16 the kernels,
-    #    biases and the tied table are gathered in bfloat16, the table at each of its two
-    #    reads, and only the LayerNorm's (float32 by the norm rule) in float32.
-    train, state = made('mixed_bfloat16', 'auto')
-    assert train.plan.layer_gather
-    found = collectives(train.lower(state, batches[0]).as_text())
-    gathers = [c for c in found if c.op == 'all-gather']
-    assert {{c.bytes for c in gathers if c.dtype == 'f32'}} == {{64 * 4}}, found
-    assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'bf16'}}, found
-    assert len([c for c in gathers if c.bytes == 16 * 64 * 2]) >= 2, found  # the table
-    # inside the scan body: one layer's kernel (64 x 64), not the stack
-    assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
-    assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
+variables = Model().init(jax.random.key(0), x)
 
-    # 2. One layer's parameters live at a time: the per-layer step's temporaries are a
-    #    fraction of the whole-model step's.
-    temps = {{g: made('float32', g, optax.adam(1e-3))[0] for g in ('layer', 'model')}}
-    temps = {{g: t.lower(made('float32', g, optax.adam(1e-3))[1], batches[0]).compile()
-                 .memory_analysis().temp_size_in_bytes for g, t in temps.items()}}
-    assert temps['layer'] < 0.4 * temps['model'], temps  # 0.24 measured (without the
-    # per-module checkpoint that gathers again in the backward pass: 0.62)
+def made(policy, gather=None, opt=optax.sgd(0.5)):
+  train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **sharding(gather))
+  return train, train.init(Model(), jax.tree.map(jnp.copy, variables), x)
+"""
 
-    # 3. Trains as one device does. Under mixed_bfloat16 the per-layer step rounds in
-    #    other places (each read of the tied table reduces its own gradient in float32,
-    #    where one device sums both reads' in bfloat16): it is measured against the
-    #    float32 run, and must be as close to it as one device's bfloat16 run is.
-    runs = {{}}
-    for policy in ('float32', 'mixed_bfloat16'):
-      for gather in (None, 'layer'):  # 'model' against one device: the matrix
-        train, state = made(policy, gather)
-        for b in batches:
-          state, _ = train.step(state, b)
-        runs[policy, gather] = leaves(state.params)
-    rms = lambda a, b: np.sqrt(np.mean(np.concatenate([(x - y).ravel() ** 2
-                                                       for x, y in zip(a, b)])))
-    reference = runs['float32', None]
-    for got, want in zip(runs['float32', 'layer'], reference):
-      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    error = rms(runs['mixed_bfloat16', 'layer'], reference)
-    assert error <= 1.25 * rms(runs['mixed_bfloat16', None], reference), error
-    print('LINEN-OK', temps)
-""")
+_EQUINOX_MODEL = """
+import equinox as eqx
 
+class Block(eqx.Module):
+  norm: eqx.nn.LayerNorm
+  up: eqx.nn.Linear
+  down: eqx.nn.Linear
 
-_EQUINOX_EIGHT_DEVICES = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import equinox as eqx
-    import jax, jax.numpy as jnp, numpy as np, optax
-    import jaxamp
-    from jaxamp.sharding import collectives
-    from test_train import loss_fn, make_batches, leaves
-    assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
-    batches = make_batches(2, size=32)
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.norm = eqx.nn.LayerNorm(64)
+    self.up, self.down = eqx.nn.Linear(64, 64, key=k1), eqx.nn.Linear(64, 64, key=k2)
 
-    class Block(eqx.Module):
-      norm: eqx.nn.LayerNorm
-      up: eqx.nn.Linear
-      down: eqx.nn.Linear
+  def __call__(self, h):
+    return h + jax.vmap(self.down)(jax.nn.relu(jax.vmap(self.up)(jax.vmap(self.norm)(h))))
 
-      def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = eqx.nn.LayerNorm(64)
-        self.up, self.down = eqx.nn.Linear(64, 64, key=k1), eqx.nn.Linear(64, 64, key=k2)
+class Model(eqx.Module):
+  embed: eqx.nn.Embedding
+  blocks: Block
 
-      def __call__(self, h):
-        return h + jax.vmap(self.down)(jax.nn.relu(jax.vmap(self.up)(jax.vmap(self.norm)(h))))
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.embed = eqx.nn.Embedding(16, 64, key=k1)
+    self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, 6))
 
-    class Model(eqx.Module):  # a tied embedding table around 6 stacked blocks, lax.scan
-      embed: eqx.nn.Embedding
-      blocks: Block
+  def __call__(self, x):
+    h = jax.vmap(self.embed)(jnp.argmax(x[:, :4], axis=-1))
+    dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+    h, _ = jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)
+    return (h @ self.embed.weight.T)[:, :4]  # the tied head reads the table
 
-      def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.embed = eqx.nn.Embedding(16, 64, key=k1)
-        self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, 6))
+def made(policy, gather=None, opt=optax.sgd(0.5)):
+  train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **sharding(gather))
+  return train, train.init(Model(jax.random.key(0)))
+"""
 
-      def __call__(self, x):
-        h = jax.vmap(self.embed)(jnp.argmax(x[:, :4], axis=-1))
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        h, _ = jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)
-        return (h @ self.embed.weight.T)[:, :4]
+_PER_LAYER_CHECKS = """
+# 1. Gathered per layer by default; under mixed_bfloat16 the kernels, biases and the
+#    tied table in bfloat16 (the table at each of its two reads), only the LayerNorms'
+#    (float32 by the norm rule) in float32; inside the scan one layer's kernel, not the
+#    stack.
+train, state = made('mixed_bfloat16', 'auto')
+assert train.plan.layer_gather
+found = collectives(train.lower(state, batches[0]).as_text())
+gathers = [c for c in found if c.op == 'all-gather']
+assert {{c.bytes for c in gathers if c.dtype == 'f32'}} == {{64 * 4}}, found
+assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'bf16'}}, found
+assert len([c for c in gathers if c.bytes == 16 * 64 * 2]) >= 2, found  # the table
+assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
+assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
 
-    def made(policy, gather=None, opt=optax.sgd(0.5)):
-      kw = {{}} if gather is None else dict(
-          mesh=mesh, batch_axis=('data', 'fsdp'),
-          param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
-      train = jaxamp.make_train_step(loss_fn, opt, policy=policy, **kw)
-      return train, train.init(Model(jax.random.key(0)))
+# 2. One layer's parameters live at a time: the per-layer step's temporaries are a
+#    fraction of the whole-model step's.
+temps = {{}}
+for gather in ('layer', 'model'):
+  train, state = made('float32', gather, optax.adam(1e-3))
+  temps[gather] = train.lower(state, batches[0]).compile().memory_analysis(
+      ).temp_size_in_bytes
+assert temps['layer'] < 0.4 * temps['model'], temps  # 0.24 measured (without the
+# per-module checkpoint that gathers again in the backward pass: 0.62)
 
-    # 1. Gathered per layer by default, in bfloat16 under mixed_bfloat16 (the LayerNorms'
-    #    float32, by the norm rule); the tied table at both reads; one layer of the stack.
-    train, state = made('mixed_bfloat16', 'auto')
-    assert train.plan.layer_gather
-    found = collectives(train.lower(state, batches[0]).as_text())
-    gathers = [c for c in found if c.op == 'all-gather']
-    assert {{c.bytes for c in gathers if c.dtype == 'f32'}} == {{64 * 4}}, found
-    assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'bf16'}}, found
-    assert len([c for c in gathers if c.bytes == 16 * 64 * 2]) >= 2, found  # the table
-    assert 64 * 64 * 2 in {{c.bytes for c in gathers}}, found
-    assert not [c for c in gathers if c.bytes >= 6 * 64 * 64 * 2], found
-
-    # 2. One layer's parameters live at a time.
-    temps = {{}}
-    for gather in ('layer', 'model'):
-      train, state = made('float32', gather, optax.adam(1e-3))
-      temps[gather] = train.lower(state, batches[0]).compile().memory_analysis(
-          ).temp_size_in_bytes
-    assert temps['layer'] < 0.4 * temps['model'], temps  # 0.24 measured (without the
-    # per-module checkpoint that gathers again in the backward pass: 0.62)
-
-    # 3. Trains as one device does (mixed_bfloat16: as close to float32 as one device's).
-    runs = {{}}
-    for policy in ('float32', 'mixed_bfloat16'):
-      for gather in (None, 'layer'):  # 'model' against one device: the matrix
-        train, state = made(policy, gather)
-        for b in batches:
-          state, _ = train.step(state, b)
-        runs[policy, gather] = leaves(state.params)
-    rms = lambda a, b: np.sqrt(np.mean(np.concatenate([(x - y).ravel() ** 2
-                                                       for x, y in zip(a, b)])))
-    reference = runs['float32', None]
-    for got, want in zip(runs['float32', 'layer'], reference):
-      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    error = rms(runs['mixed_bfloat16', 'layer'], reference)
-    assert error <= 1.25 * rms(runs['mixed_bfloat16', None], reference), error
-    print('EQUINOX-OK', temps)
-""")
+# 3. Trains as one device does. Under mixed_bfloat16 the per-layer step rounds in other
+#    places (each read of the tied table reduces its own gradient in float32, where one
+#    device sums both reads' in bfloat16): it is measured against the float32 run, and
+#    must be as close to it as one device's bfloat16 run is. (Whole-model gathering
+#    against one device: the differential matrix.)
+runs = {{}}
+for policy in ('float32', 'mixed_bfloat16'):
+  for gather in (None, 'layer'):
+    train, state = made(policy, gather)
+    for b in batches:
+      state, _ = train.step(state, b)
+    runs[policy, gather] = leaves(state.params)
+rms = lambda a, b: np.sqrt(np.mean(np.concatenate([(x - y).ravel() ** 2
+                                                   for x, y in zip(a, b)])))
+reference = runs['float32', None]
+for got, want in zip(runs['float32', 'layer'], reference):
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+error = rms(runs['mixed_bfloat16', 'layer'], reference)
+assert error <= 1.25 * rms(runs['mixed_bfloat16', None], reference), error
+print('PER-LAYER-OK', temps)
+"""
 
 
 @pytest.mark.parametrize("library", ["linen", "equinox"])
 def test_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path, library):
   if library == "equinox":
     pytest.importorskip("equinox")
-  script = {"linen": _LINEN_EIGHT_DEVICES, "equinox": _EQUINOX_EIGHT_DEVICES}[library]
+  model = {"linen": _LINEN_MODEL, "equinox": _EQUINOX_MODEL}[library]
   path = tmp_path / f"{library}_sharded.py"
-  path.write_text(script.format(root=ROOT, tests=TESTS))
+  path.write_text((_EIGHT_DEVICE_START + model + _PER_LAYER_CHECKS).format(root=ROOT,
+                                                                          tests=TESTS))
   proc = _run([str(path)],
               {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}"})
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert f"{library.upper()}-OK" in proc.stdout
+  assert "PER-LAYER-OK" in proc.stdout
 
 
 # --- two processes ------------------------------------------------------------------------
