@@ -13,10 +13,15 @@ layout (the backward pass). Two places to do it:
 - ``gather='layer'``: each parameter where a module reads it (:func:`gathered`: one
   ``jax.custom_vjp`` whose backward pass is the reduce-scatter), so one layer's
   parameters are live at a time, and its gradient leaves the layer reduce-scattered.
-  Under ``nnx.scan`` over stacked layers a read inside the body gathers one layer's
-  slice. The gathered values are not saved for the backward pass: each reading module
-  runs under its own checkpoint, whose policy (:func:`jaxamp.residuals.gathers`) has
-  them gathered again there, as PyTorch FSDP and MaxText do.
+  Under ``nnx.scan``/``nn.scan``/``lax.scan`` over stacked layers a read inside the body
+  gathers one layer's slice. The gathered values are not saved for the backward pass:
+  each reading module runs under its own checkpoint, whose policy
+  (:func:`jaxamp.residuals.gathers`) has them gathered again there, as PyTorch FSDP and
+  MaxText do. Where the reads happen: NNX Variables' ``on_get_value`` hooks
+  (:mod:`jaxamp.nnx`); for Linen (``self.param``) and Equinox (a policy view's field
+  reads) the slice is boxed as a :class:`Slice`, which the read unboxes, in the dtype
+  and after the inputs :func:`reading` names. A slice used as an array otherwise (a raw
+  read) raises :class:`RawSliceRead`: ``gather='auto'`` then gathers the whole model.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -362,10 +367,11 @@ def check_reads(jaxpr: Any, shards: Sequence[Shard], names: Sequence[str]) -> No
       if raw is not None:
         raise RawSliceRead(
             f"gather='layer': parameter {name} is used as its raw array by {raw} (not read "
-            "through its Variable, as module[...] or .get_value() do): there it is this "
-            "device's shard of the parameter, not the parameter. Read it through its "
-            "Variable (model.layer.kernel[...]), or gather the whole model at the step's "
-            "start: jaxamp.fsdp(..., gather='model').")
+            "as a parameter: through its NNX Variable, module[...] or .get_value(), a "
+            "Linen module's self.param, an Equinox module's field): there it is this "
+            "device's shard of the parameter, not the parameter. Read it as a parameter "
+            "(model.layer.kernel[...]), or gather the whole model at the step's start: "
+            "jaxamp.fsdp(..., gather='model') (what gather='auto' falls back to).")
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
