@@ -283,10 +283,15 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
 
 
 def _owns_slices(module: Any) -> bool:
-  """Whether a field of ``module`` holds a parameter slice gathered where read (FSDP)."""
-  stop = lambda x: _is_module(x) or gather_lib.is_slice(x)  # a submodule's are its own
-  return any(gather_lib.is_slice(x) for value in module.__dict__.values()
-             for x in jax.tree.leaves(value, is_leaf=stop))
+  """Whether a field of ``module`` holds a parameter slice gathered where read (FSDP):
+  the field itself, or a list, tuple or dict in it, the fields ``_reading`` unboxes (a
+  submodule's slices are its own). Called on every module call: fields of other types
+  are not flattened."""
+  stop = lambda x: _is_module(x) or gather_lib.is_slice(x)
+  return any(gather_lib.is_slice(value) or (
+      type(value) in (list, tuple, dict)
+      and any(map(gather_lib.is_slice, jax.tree.leaves(value, is_leaf=stop))))
+             for value in module.__dict__.values())
 
 
 def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
