@@ -121,13 +121,22 @@ def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are
     assert step.plan.layer_gather, model
 
 
+class _LinenLM(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    return nn.Dense(16)(nn.Embed(16, 8)(ids))
+
+
+@pytest.mark.parametrize("library", ["nnx", "linen"])
 @pytest.mark.parametrize("param_sharding", [None, fsdp("data", min_size=16)],
                          ids=["replicated", "fsdp"])
-def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sharding):
+def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sharding,
+                                                                       library):
   """jax.make_mesh's axes are Explicit: there an embedding lookup of batch-sharded ids
   asks for its output's sharding, which an unmodified model does not give. eval_step
   runs the model with the axes Auto; per-example results come back split over the batch
-  axis, the rest replicated, with the values one device computes."""
+  axis, the rest replicated, with the values one device computes. (A Linen model's
+  dropout key, closed over, once kept its Explicit mesh there.)"""
 
   class LM(nnx.Module):
     def __init__(self, rngs):
@@ -142,10 +151,13 @@ def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sha
   ids = jnp.arange(8).reshape(4, 2) % 16
   loss = lambda m, b: jnp.mean(m(b) ** 2)
   evaluate = lambda m, b: {"loss": loss(m, b), "logits": m(b)}
+  variables = _LinenLM().init(jax.random.key(0), ids)
   results = []
   for kw in ({}, dict(mesh=mesh, batch_axis="data", param_sharding=param_sharding)):
     train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, **kw)
-    results.append(train.eval_step(train.init(LM(nnx.Rngs(0))), ids))
+    state = (train.init(LM(nnx.Rngs(0))) if library == "nnx"
+             else train.init(_LinenLM(), variables, ids))
+    results.append(train.eval_step(state, ids))
   one, sharded = results
   assert sharded["logits"].sharding.spec == P("data", None, None)
   assert sharded["loss"].sharding.spec == P()

@@ -106,14 +106,18 @@ def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
     # Gathered in the compute dtype, as the step gathers them; then run data parallel.
     params = layout.gathered_for_eval(plan, params)
 
-  def run(params, model_state, batch):
-    model, _ = plan.adapter.bind(params, model_state, state.rng, options.policy,
-                                 train=False, float32_outputs=options.float32_outputs)
-    return cast_floating(call_user(options.evaluate, model, batch), F32)
+  # Every array an argument, none closed over: under jax.sharding.auto_axes (below) a
+  # closed-over array keeps its Explicit mesh, which the Auto one inside refuses to mix
+  # with (Linen's dropout key, the FP8 state).
+  def run(params, model_state, rng, fp8, batch):
+    with fp8_lib.state_scope(fp8):
+      model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
+                                   float32_outputs=options.float32_outputs)
+      return cast_floating(call_user(options.evaluate, model, batch), F32)
 
-  run = autocast_under_level(options, run, batch_argnum=2)
-  args = (params, state.model_state, batch)
-  with rules_in_force(plan), fp8_lib.state_scope(state.fp8):
+  run = autocast_under_level(options, run, batch_argnum=4)
+  args = (params, state.model_state, state.rng, state.fp8, batch)
+  with rules_in_force(plan):
     if plan.mesh is not None and jax.sharding.AxisType.Explicit in plan.mesh.axis_types:
       run = _on_auto_axes(plan, run, args)
     return run(*args)
