@@ -19,7 +19,7 @@ from jaxamp import _flax_compat
 from jaxamp._flax_compat import NNX_BOOKKEEPING_PREFIX, set_attr_unchecked
 from jaxamp.casting import is_floating_array, read_as
 from jaxamp.rules import is_named_attention
-from jaxamp.train.gather import gathered
+from jaxamp.train.gather import read
 
 _MISSING = object()
 
@@ -161,7 +161,7 @@ def _gather_on_read(variable: nnx.Variable, value: Any) -> Any:
   """An ``on_get_value`` hook: the slice ``value`` gathered over the mesh."""
   meta = _metadata(variable)
   dtype = meta.get(_GATHER_DTYPE) or value.dtype
-  return gathered(value, meta[_SHARD].of_slice(value.shape), dtype)
+  return read(value, meta[_SHARD], dtype)
 
 
 def _gathered_on_read(variable: nnx.Variable) -> bool:

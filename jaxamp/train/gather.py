@@ -51,8 +51,11 @@ from jaxamp.casting import is_floating_array
 from jaxamp.residuals import gathers
 from jaxamp.rules import path_name
 
-__all__ = ["Shard", "Slice", "RawSliceRead", "gathered", "reduced", "sliced", "is_slice",
-           "whole", "reading", "gather_all", "reduce_all", "compiler_options", "check_reads"]
+__all__ = ["Shard", "Slice", "RawSliceRead", "gathered", "reduced", "read", "global_reads",
+           "sliced", "is_slice", "whole", "reading", "gather_all", "reduce_all",
+           "compiler_options", "check_reads"]
+
+P = jax.sharding.PartitionSpec
 
 # XLA:CPU removes optimization barriers (its pass 'cse_barrier_expander') before common-
 # subexpression elimination, which then merges each re-gather of the backward pass with
@@ -220,6 +223,7 @@ gathered.defvjp(_gathered_fwd, _gathered_bwd)
 class _Reading(threading.local):
   dtype: Any = None  # the compute dtype of the module reading (None: the stored dtype)
   tie: Any = None  # that module's array inputs, which its gathers wait for
+  mesh: Any = None  # global_reads' mesh (None: reads are inside the step's shard_map)
 
 
 _reading_now = _Reading()
@@ -236,6 +240,37 @@ def reading(dtype: Any, tie: Any = None) -> Iterator[None]:
     yield
   finally:
     _reading_now.dtype, _reading_now.tie = old
+
+
+@contextlib.contextmanager
+def global_reads(mesh: jax.sharding.Mesh) -> Iterator[None]:
+  """Reads in the ``with`` block see global arrays, not slices: a program partitioned by
+  XLA over ``mesh`` rather than written per device (``eval_step``, which has no
+  gradient to reduce-scatter and may return anything ``eval_fn`` does). There
+  :func:`read` casts the sharded parameter to the reader's dtype and constrains the
+  result replicated: XLA all-gathers it where it is read, in that dtype, instead of
+  partitioning the reader's matmul over the parameter's shards (partial sums, rounded
+  in half precision before they are added)."""
+  old = _reading_now.mesh
+  _reading_now.mesh = mesh
+  try:
+    yield
+  finally:
+    _reading_now.mesh = old
+
+
+def read(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
+  """A sharded parameter as a module reads it: cast to ``dtype`` and gathered. Inside the
+  step's ``shard_map`` ``x`` is this device's slice (or one layer of it), gathered by
+  :func:`gathered`; under :func:`global_reads` it is the global array, constrained
+  replicated."""
+  mesh = _reading_now.mesh
+  if mesh is None:
+    return gathered(x, shard.of_slice(np.shape(x)), dtype)
+  x = x.astype(dtype)
+  if jax.sharding.get_abstract_mesh().empty:  # no mesh in context: name the step's
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P()))
+  return jax.lax.with_sharding_constraint(x, P())  # e.g. inside jax.sharding.auto_axes
 
 
 class Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
@@ -257,7 +292,7 @@ class Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
     if _reading_now.tie:  # the gather waits for the reading module's inputs
       x, _ = jax.lax.optimization_barrier((x, _reading_now.tie))
     dtype = _reading_now.dtype if is_floating_array(x) and _reading_now.dtype else x.dtype
-    return gathered(x, self.shard.of_slice(np.shape(x)), dtype)
+    return read(x, self.shard, dtype)
 
   def replace_boxed(self, val: Any) -> Slice:
     return self.replace(value=val)

@@ -28,7 +28,7 @@ from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, narrow_cotangents
 from jaxamp.rules import path_name
-from jaxamp.train import devices, layout, update
+from jaxamp.train import devices, gather, layout, update
 from jaxamp.train.loss import F32, call_user
 from jaxamp.train.plan import Plan, autocast_under_level, rules_in_force
 from jaxamp.train.state import TrainState
@@ -97,14 +97,20 @@ def step_key(state: TrainState) -> jax.Array:
   return jax.random.fold_in(state.rng, state.step - skipped)
 
 
-def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
+def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False) -> Any:
   """``eval_fn`` (default: ``loss_fn``) on the model in eval mode, under its policies;
-  floating results in float32. Nothing is updated."""
+  floating results in float32. Nothing is updated.
+
+  With sharded params it runs as one program XLA partitions over the mesh (the batch
+  split over the batch axes): ``per_layer``, each sharded parameter is gathered where a
+  module reads it, in that module's compute dtype (:func:`gather.global_reads`), so one
+  layer's parameters are gathered at a time, as in the step; else the whole model is
+  gathered at the start, in the dtypes the step gathers it in."""
   options = plan.options
   params = state.params
-  if plan.sharded:
-    # Gathered in the compute dtype, as the step gathers them; then run data parallel.
+  if plan.sharded and not per_layer:
     params = layout.gathered_for_eval(plan, params)
+  shards = plan.shards if per_layer else None
 
   # Every array an argument, none closed over: under jax.sharding.auto_axes (below) a
   # closed-over array keeps its Explicit mesh, which the Auto one inside refuses to mix
@@ -112,12 +118,13 @@ def eval_step(plan: Plan, state: TrainState, batch: Any) -> Any:
   def run(params, model_state, rng, fp8, batch):
     with fp8_lib.state_scope(fp8):
       model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
-                                   float32_outputs=options.float32_outputs)
+                                   float32_outputs=options.float32_outputs, shards=shards)
       return cast_floating(call_user(options.evaluate, model, batch), F32)
 
   run = autocast_under_level(options, run, batch_argnum=4)
   args = (params, state.model_state, state.rng, state.fp8, batch)
-  with rules_in_force(plan):
+  reads = gather.global_reads(plan.mesh) if per_layer else contextlib.nullcontext()
+  with rules_in_force(plan), reads:
     if plan.mesh is not None and jax.sharding.AxisType.Explicit in plan.mesh.axis_types:
       run = _on_auto_axes(plan, run, args)
     return run(*args)

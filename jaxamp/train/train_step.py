@@ -71,6 +71,7 @@ class TrainStep:
                      else None)
     self._step_jit: Any = None
     self._eval_jit: Any = None
+    self._eval_per_layer = False  # whether eval_step gathers each parameter where read
     # The skeleton of the state init made, the last state step returned (known good) and
     # the layout.signature of the states step returns (computed when first needed).
     self._expected: Any = None
@@ -120,7 +121,8 @@ class TrainStep:
   @property
   def eval_step_fn(self) -> Callable[[TrainState, Any], Any]:
     """:meth:`eval_step` as a pure function ``(state, batch) -> result``."""
-    return functools.partial(step_lib.eval_step, self._require_plan("eval_step_fn"))
+    return functools.partial(step_lib.eval_step, self._require_plan("eval_step_fn"),
+                             per_layer=self._eval_per_layer)
 
   def _require_plan(self, what: str) -> Plan:
     if self.plan is None:
@@ -193,21 +195,35 @@ class TrainStep:
   def _compile(self) -> None:
     plan = self.plan
     donate = (0,) if self.options.donate else ()
-    eval_impl = functools.partial(step_lib.eval_step, plan)
-    options = self.options.compiler_options
-    if plan.layer_gather:
-      options = gather.compiler_options(options, plan.mesh)
-    jit = functools.partial(jax.jit, compiler_options=options)
     if plan.mesh is None:
-      self._step_jit = jit(self._step_impl, donate_argnums=donate)
-      self._eval_jit = jit(eval_impl)
+      self._step_jit = self._jit()(self._step_impl, donate_argnums=donate)
     else:
-      repl = plan.replicated()
-      state = plan.state_shardings if plan.sharded else repl
-      data = plan.batch_sharding()
-      self._step_jit = jit(self._step_impl, donate_argnums=donate,
-                           in_shardings=(state, data), out_shardings=(state, repl))
-      self._eval_jit = jit(eval_impl, in_shardings=(state, data))
+      state, data = self._in_shardings()
+      self._step_jit = self._jit()(self._step_impl, donate_argnums=donate,
+                                   in_shardings=(state, data),
+                                   out_shardings=(state, plan.replicated()))
+    self._compile_eval(plan.layer_gather)
+
+  def _compile_eval(self, per_layer: bool) -> None:
+    """The eval step's jit: gathering each sharded parameter where it is read
+    (``per_layer``), else the whole model at its start."""
+    self._eval_per_layer = per_layer
+    impl = functools.partial(step_lib.eval_step, self.plan, per_layer=per_layer)
+    in_shardings = {} if self.plan.mesh is None else {"in_shardings": self._in_shardings()}
+    self._eval_jit = self._jit(per_layer)(impl, **in_shardings)
+
+  def _jit(self, per_layer: bool | None = None) -> Callable[..., Any]:
+    """``jax.jit`` with the step's compiler options (the barriers per-layer gathering
+    needs kept)."""
+    options = self.options.compiler_options
+    if self.plan.layer_gather if per_layer is None else per_layer:
+      options = gather.compiler_options(options, self.plan.mesh)
+    return functools.partial(jax.jit, compiler_options=options)
+
+  def _in_shardings(self) -> tuple[Any, Any]:
+    plan = self.plan
+    return (plan.state_shardings if plan.sharded else plan.replicated(),
+            plan.batch_sharding())
 
   def _step_impl(self, state: TrainState, batch: Any):
     self.trace_count += 1  # runs only while tracing
@@ -323,23 +339,62 @@ class TrainStep:
           raise
         self.plan = dataclasses.replace(self.plan, narrow_reads=False)
       except gather.RawSliceRead as e:
-        if not self.plan.layer_gather:
-          raise
-        if sharding_lib.gather_of(self.options.param_sharding) == "layer":
-          raise ValueError(str(e)) from None
+        self._refuse_raw_read(e, self.plan.layer_gather)
         self.plan = dataclasses.replace(self.plan, layer_gather=False)
       self._compile()
+
+  def _refuse_raw_read(self, e: gather.RawSliceRead, per_layer: bool) -> None:
+    """Raises unless a raw read found while gathering per layer may fall back to the
+    whole model: ``gather='auto'``."""
+    if not per_layer:
+      raise e
+    if sharding_lib.gather_of(self.options.param_sharding) == "layer":
+      raise ValueError(str(e)) from None
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
 
     NNX models are switched to ``.eval()`` (deterministic dropout, running BatchNorm
     statistics); Linen modules get no mutable collections. Nothing is updated. Floating
-    results come back in float32.
+    results come back in float32. With a mesh it is one program XLA partitions (results
+    whose leading dimension is the batch's split over the batch axes, the rest
+    replicated); sharded parameters are gathered as the step gathers them: each where a
+    module reads it (``gather='layer'``), or the whole model at the start.
     """
     if self._eval_jit is None:
       raise RuntimeError("Call train.init(...) before train.eval_step(...).")
-    return self._eval_jit(self._accepted(state), layout.laid_out(self.plan, batch))
+    state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
+    return self._eval_again_if_needed(lambda: self._eval_jit(state, batch))
+
+  def lower_eval(self, state: TrainState, batch: Any, *,
+                 platforms: Sequence[str] | None = None) -> Any:
+    """:meth:`eval_step` traced and lowered, never compiled or run, as :meth:`lower` is
+    for the step: to read its program or its compiled ``memory_analysis()``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1))
+      >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+      >>> 'dot_general' in train.lower_eval(state, jnp.ones((8, 4))).as_text()
+      True
+    """
+    if self._eval_jit is None:
+      raise RuntimeError("Call train.init(...) before train.lower_eval(...).")
+    state = self._accepted(state, place=False)
+    platforms = {"lowering_platforms": tuple(platforms)} if platforms else {}
+    return self._eval_again_if_needed(
+        lambda: self._eval_jit.trace(state, batch).lower(**platforms))
+
+  def _eval_again_if_needed(self, run: Callable[[], Any]) -> Any:
+    """``run()``, and once more with the eval step gathering the whole model where
+    ``eval_fn`` used a parameter slice as an array (under ``gather='auto'``, as the step)."""
+    while True:
+      try:
+        return run()
+      except gather.RawSliceRead as e:
+        self._refuse_raw_read(e, self._eval_per_layer)
+        self._compile_eval(False)
 
   def model(self, state: TrainState, *, copy: bool | None = None) -> Any:
     """The model with the state's parameters: an NNX module, or ``(module, variables)``.
