@@ -125,6 +125,7 @@ def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
   lowered = train.lower(state, batch)
   mem = lowered.compile().memory_analysis()
   gathers = [c for c in collectives(lowered.as_text()) if c.op == "all-gather"]
+  evaluation = train.lower_eval(state, batch).compile().memory_analysis()
   whole = _gathered_bytes(train, state.params)
   block = _block_elements(params, layers)
   total = sum(x.size for x in jax.tree.leaves(state.params))
@@ -139,8 +140,15 @@ def measure(kind: str, layers: int, layout: str, mesh: jax.sharding.Mesh,
       "block_grad_f32": 4 * block,
       "seconds": time.perf_counter() - start,
   }
-  row["peak"] = row["args"] + row["out"] + row["temp"] - row["alias"]
+  row["peak"] = _peak(mem)
+  row["eval_peak"] = _peak(evaluation)
   return row
+
+
+def _peak(mem: Any) -> int:
+  """Per-device peak of a compiled program: arguments + outputs + temporaries − aliases."""
+  return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+          - mem.alias_size_in_bytes)
 
 
 def _candidate(kind: str, layout: str, mesh: jax.sharding.Mesh,
@@ -216,16 +224,18 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
       "whole-model step holds it before the reduce-scatter. **all-gathers**: in the "
       "lowered program, with their dtypes (per layer: once in the forward pass and again "
       "in the backward pass where the backward pass needs the parameter; XLA:CPU then "
-      "runs them in float32, which it promotes bfloat16 collectives to).", ""]
+      "runs them in float32, which it promotes bfloat16 collectives to). **eval peak**: "
+      "the same for `train.eval_step` (`train.lower_eval`), which gathers as the step "
+      "does.", ""]
   for title, rows in tables.items():
     cfg = configs[title]
     lines += [
         f"## {title}: dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, batch "
         f"{cfg.batch} × {cfg.seq_len} tokens", "",
         "| kind | layers | layout | args | temp | out | aliased | peak | growth / layer "
-        "| gathered model | gathered block | block grad | all-gathers |",
+        "| gathered model | gathered block | block grad | all-gathers | eval peak |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| --- |"]
+        "| --- | ---: |"]
     previous: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
       before = previous.get((r["kind"], r["layout"]))
@@ -238,7 +248,8 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
           f"{_mib(r['temp'])} | {_mib(r['out'])} | {_mib(r['alias'])} | "
           f"{_mib(r['peak'])} | {_mib(r['growth'])} | {_mib(r['gathered_model'])} | "
           f"{_mib(r['gathered_block'])} | {_mib(r['block_grad_f32'])} | "
-          f"{r['all_gathers']}{' (' + dtypes + ')' if dtypes else ''} |")
+          f"{r['all_gathers']}{' (' + dtypes + ')' if dtypes else ''} | "
+          f"{_mib(r['eval_peak'])} |")
     lines.append("")
     deepest = max(r["layers"] for r in rows)
     for kind in KINDS:
@@ -252,7 +263,10 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
             f"parallel's; it grows by {_mib(layer['growth'])} MiB per layer (whole-model: "
             f"{_mib(whole['growth'])}), of which the sharded arguments (params, Adam "
             f"moments) are {_mib(_args_growth(rows, kind, 'fsdp (layer)'))}; one block "
-            f"gathered is {_mib(layer['gathered_block'])} MiB.")
+            f"gathered is {_mib(layer['gathered_block'])} MiB. Eval: "
+            f"{_mib(layer['eval_peak'])} MiB per layer, "
+            f"**{layer['eval_peak'] / whole['eval_peak']:.2f}×** the whole model's "
+            f"({_mib(whole['eval_peak'])} MiB).")
     lines.append("")
   return "\n".join(lines)
 
