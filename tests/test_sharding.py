@@ -569,6 +569,11 @@ _EIGHT_DEVICES = textwrap.dedent("""
     for a, b in zip(*out):
       np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
     np.testing.assert_allclose(tied_evals[0], tied_evals[1], rtol=1e-5)
+    # Compiled, eval gathers after the cast (float16 here: XLA:CPU promotes bfloat16).
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_float16', **FSDP)
+    state = train.init(Tied(nnx.Rngs(0)))
+    found = collectives(train.lower_eval(state, batches[2]).compile().as_text())
+    assert {{c.dtype for c in found if c.op == 'all-gather'}} == {{'f16'}}, found
 
     # 9. eval_step (the runs of 3.)
     np.testing.assert_allclose(evals['single'], evals['fsdp'], rtol=1e-5)
@@ -766,6 +771,12 @@ for gather in (None, 'layer', 'model'):
       assert not [r for r in reads if r.startswith('6x')] and '64xf32' in reads, reads
 # Measured: 0.10 (Linen and Equinox).
 assert eval_temps['layer'] < 0.5 * eval_temps['model'], eval_temps
+# ... and XLA gathers after the cast: compiled, every gather but the LayerNorms' (float32
+# by the norm rule) is float16 (XLA:CPU keeps float16 collectives; it promotes bfloat16's).
+train, state = made('mixed_float16', 'layer')
+found = collectives(train.lower_eval(state, batches[0]).compile().as_text())
+gathers = [c for c in found if c.op == 'all-gather']
+assert {{c.dtype for c in gathers if c.bytes != 64 * 4}} == {{'f16'}}, found
 for gather in ('layer', 'model'):
   np.testing.assert_allclose(evals[gather], evals[None], rtol=1e-5)
 print('PER-LAYER-OK', temps, eval_temps)

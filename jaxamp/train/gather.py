@@ -262,15 +262,23 @@ def global_reads(mesh: jax.sharding.Mesh) -> Iterator[None]:
 def read(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
   """A sharded parameter as a module reads it: cast to ``dtype`` and gathered. Inside the
   step's ``shard_map`` ``x`` is this device's slice (or one layer of it), gathered by
-  :func:`gathered`; under :func:`global_reads` it is the global array, constrained
-  replicated."""
+  :func:`gathered`; under :func:`global_reads` it is the global array (or one layer of
+  it), cast, constrained split as it is stored, then constrained replicated. Without
+  the first constraint Shardy's propagation makes the cast itself replicated, and XLA
+  gathers before it, in the stored dtype (float32: twice the bytes)."""
   mesh = _reading_now.mesh
   if mesh is None:
     return gathered(x, shard.of_slice(np.shape(x)), dtype)
-  x = x.astype(dtype)
+  stored = shard._replace(shape=shard.global_shape).of_slice(np.shape(x)).spec
+  x = _constrained(x.astype(dtype), P(*[names or None for names in stored]), mesh)
+  return _constrained(x, P(), mesh)
+
+
+def _constrained(x: jax.Array, spec: jax.sharding.PartitionSpec,
+                 mesh: jax.sharding.Mesh) -> jax.Array:
   if jax.sharding.get_abstract_mesh().empty:  # no mesh in context: name the step's
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P()))
-  return jax.lax.with_sharding_constraint(x, P())  # e.g. inside jax.sharding.auto_axes
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, spec)  # e.g. inside jax.sharding.auto_axes
 
 
 class Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
