@@ -196,12 +196,12 @@ class TrainStep:
     plan = self.plan
     donate = (0,) if self.options.donate else ()
     if plan.mesh is None:
-      self._step_jit = self._jit()(self._step_impl, donate_argnums=donate)
+      self._step_jit = self._jit(plan.layer_gather)(self._step_impl, donate_argnums=donate)
     else:
       state, data = self._in_shardings()
-      self._step_jit = self._jit()(self._step_impl, donate_argnums=donate,
-                                   in_shardings=(state, data),
-                                   out_shardings=(state, plan.replicated()))
+      self._step_jit = self._jit(plan.layer_gather)(
+          self._step_impl, donate_argnums=donate, in_shardings=(state, data),
+          out_shardings=(state, plan.replicated()))
     self._compile_eval(plan.layer_gather)
 
   def _compile_eval(self, per_layer: bool) -> None:
@@ -212,11 +212,11 @@ class TrainStep:
     in_shardings = {} if self.plan.mesh is None else {"in_shardings": self._in_shardings()}
     self._eval_jit = self._jit(per_layer)(impl, **in_shardings)
 
-  def _jit(self, per_layer: bool | None = None) -> Callable[..., Any]:
-    """``jax.jit`` with the step's compiler options (the barriers per-layer gathering
-    needs kept)."""
+  def _jit(self, per_layer: bool) -> Callable[..., Any]:
+    """``jax.jit`` with the step's compiler options (and, ``per_layer``, the barriers
+    per-layer gathering needs kept)."""
     options = self.options.compiler_options
-    if self.plan.layer_gather if per_layer is None else per_layer:
+    if per_layer:
       options = gather.compiler_options(options, self.plan.mesh)
     return functools.partial(jax.jit, compiler_options=options)
 
@@ -312,11 +312,7 @@ class TrainStep:
       >>> 'bf16' in text and 'dot_general' in text
       True
     """
-    def lower() -> Any:
-      traced = self.trace(state, batch)
-      return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
-
-    return self._made_again_if_needed(lower)
+    return self._made_again_if_needed(lambda: _lowered(self.trace(state, batch), platforms))
 
   def _made_again_if_needed(self, run: Callable[[], Any]) -> Any:
     """``run()``, and once more with the step made again where tracing or lowering it
@@ -382,9 +378,8 @@ class TrainStep:
     if self._eval_jit is None:
       raise RuntimeError("Call train.init(...) before train.lower_eval(...).")
     state = self._accepted(state, place=False)
-    platforms = {"lowering_platforms": tuple(platforms)} if platforms else {}
     return self._eval_again_if_needed(
-        lambda: self._eval_jit.trace(state, batch).lower(**platforms))
+        lambda: _lowered(self._eval_jit.trace(state, batch), platforms))
 
   def _eval_again_if_needed(self, run: Callable[[], Any]) -> Any:
     """``run()``, and once more with the eval step gathering the whole model where
@@ -420,6 +415,11 @@ class TrainStep:
       state = state._replace(params=jax.tree.map(jnp.copy, state.params),
                              model_state=jax.tree.map(jnp.copy, state.model_state))
     return plan.adapter.model(state)
+
+
+def _lowered(traced: Any, platforms: Sequence[str] | None) -> Any:
+  """``traced`` lowered for ``platforms`` (None: this machine's)."""
+  return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
