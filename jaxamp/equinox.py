@@ -257,10 +257,13 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
   gather = fn is eqx.nn.Embedding.__call__  # a lookup: keep the table, cast the rows
   sliced = _owns_slices(module)  # FSDP, gather='layer': fields gathered where read
 
-  def run(module, args, kwargs):
+  # Its parameter slices are gathered in its compute dtype, after its inputs (or, under
+  # prefetching, the previous reading module's: gather.tie_for).
+  tie = gather_lib.tie_for([x for x in jax.tree.leaves((args, kwargs))
+                            if is_floating_array(x)]) if sliced else None
+
+  def run(module, args, kwargs, tie):
     args, kwargs = _cast_values(args, compute), _cast_values(kwargs, compute)
-    # Its parameter slices are gathered in its compute dtype, after its inputs.
-    tie = [x for x in jax.tree.leaves((args, kwargs)) if is_floating_array(x)] if sliced else None
     _state.stack.append(None if gather else compute)
     try:
       with gather_lib.reading(compute, tie):
@@ -276,9 +279,9 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
     run = eqx.filter_checkpoint(run, policy=regather_policy(compute))
   if info.scope is not None:  # a census run
     with jax.named_scope(scope_name(info.scope)):
-      out = run(module, args, kwargs)
+      out = run(module, args, kwargs, tie)
   else:
-    out = run(module, args, kwargs)
+    out = run(module, args, kwargs, tie)
   return _cast_values(out, info.output_dtype)
 
 

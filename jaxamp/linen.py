@@ -432,21 +432,24 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     # The module runs under nn.remat with the cast to ``compute`` inside it: reverse mode
     # keeps the narrower input, not float32 intermediates (a norm), and recomputes the
     # rest as ``policy`` says. With ``tie`` (it reads parameter slices) its gathers wait
-    # for its inputs, and the policy has them gathered again in the backward pass.
+    # for what gather.tie_for says (its inputs, or the previous reading module's), and
+    # the policy has them gathered again in the backward pass.
     leaves, treedef = jax.tree.flatten((args, kwargs))
     where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
+    arrays = [leaves[i] for i in where]
+    ties = gather_lib.tie_for(arrays) if tie else []
 
-    def body(clone, *arrays):
+    def body(clone, *inputs):
       full = list(leaves)
-      for i, x in zip(where, arrays):
+      for i, x in zip(where, inputs[:len(where)]):
         full[i] = x
       a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
-      with gather_lib.reading(compute, list(arrays) if tie else None):
+      with gather_lib.reading(compute, list(inputs[len(where):]) if tie else None):
         return linen_unbound_method(context)(clone, *a, **k)
 
     mapping.add(path)  # the clone nn.remat runs is already cast
     try:
-      return nn.remat(body, policy=policy)(module, *(leaves[i] for i in where))
+      return nn.remat(body, policy=policy)(module, *arrays, *ties)
     finally:
       mapping.discard(path)
 

@@ -41,8 +41,8 @@ from flax import nnx
 
 from jaxamp._flax_compat import unbox
 
-__all__ = ["ParamSharding", "GATHERS", "fsdp", "annotated", "gather_of", "param_specs", "Collective",
-           "collectives"]
+__all__ = ["ParamSharding", "GATHERS", "fsdp", "annotated", "gather_of", "prefetch_of",
+           "param_specs", "Collective", "collectives"]
 
 P = jax.sharding.PartitionSpec
 
@@ -84,8 +84,14 @@ def _check_gather(gather: str) -> None:
                      f"{gather!r}.")
 
 
+def _check_prefetch(prefetch: Any) -> None:
+  if not isinstance(prefetch, (bool, type(None))):
+    raise ValueError(f"prefetch must be True, False or None (on devices other than CPUs), "
+                     f"got {prefetch!r}.")
+
+
 def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
-         gather: str = "auto") -> ParamSharding:
+         gather: str = "auto", prefetch: bool | None = None) -> ParamSharding:
   """Fully-sharded data parallel (ZeRO-3): each large parameter sharded over ``axis``.
 
   Each floating parameter with at least ``min_size`` elements is split along its largest
@@ -111,10 +117,19 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
     ``self.variables``, as Hugging Face's Flax LMs do; a ``loss_fn`` taking
     ``jax.tree.leaves`` of the parameters). ``train.plan.layer_gather`` says which.
 
+  Under ``'layer'``, a module's gathers wait for the inputs of the module read before it
+  (``prefetch=True``): the compiler may gather the next module's parameters while the
+  current one computes (XLA:GPU's latency-hiding scheduler overlaps the collective with
+  the compute), with two modules' parameters gathered at once; or for its own inputs
+  (``False``): one module's at a time, each gather on the critical path. The backward
+  pass gathers each module's parameters again when its cotangent arrives, either way.
+
   Args:
     axis: a mesh axis name, or several (sharded over their product).
     min_size: parameters with fewer elements stay replicated.
     gather: ``'auto'``, ``'layer'`` or ``'model'``.
+    prefetch: whether per-layer gathers may run one module ahead; None (default): on
+      devices other than CPUs (XLA:CPU overlaps nothing, so there it only costs memory).
 
   Returns:
     A param sharding for ``make_train_step(param_sharding=...)``. The batch should be
@@ -131,6 +146,7 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
   if not names:
     raise ValueError("fsdp needs a mesh axis name, got none.")
   _check_gather(gather)
+  _check_prefetch(prefetch)
 
   def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     _check_axes(names, mesh, "fsdp axis")
@@ -150,7 +166,7 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
 
     return jax.tree.map(one, unbox(params))
 
-  specs.gather = gather
+  specs.gather, specs.prefetch = gather, prefetch
   return specs
 
 
@@ -160,8 +176,15 @@ def gather_of(param_sharding: Any) -> str:
   return getattr(param_sharding, "gather", "auto") if callable(param_sharding) else "auto"
 
 
+def prefetch_of(param_sharding: Any) -> bool | None:
+  """Whether a step with ``param_sharding`` gathering per layer prefetches (the
+  ``prefetch`` its preset was made with, :func:`fsdp`); None: where the devices can
+  overlap it."""
+  return getattr(param_sharding, "prefetch", None) if callable(param_sharding) else None
+
+
 def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
-              gather: str = "auto") -> ParamSharding:
+              gather: str = "auto", prefetch: bool | None = None) -> ParamSharding:
   """The shardings the model declares: NNX ``sharding`` metadata, Linen boxes.
 
   NNX parameters made with ``nnx.with_partitioning(init, names)`` (or ``nnx.Param(...,
@@ -174,6 +197,7 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
   Args:
     rules: logical-to-mesh axis rules, or None.
     gather: where the step gathers sharded parameters (see :func:`fsdp`).
+    prefetch: whether per-layer gathers may run one module ahead (see :func:`fsdp`).
 
   Returns:
     A param sharding for ``make_train_step(param_sharding=...)``. Unannotated
@@ -202,7 +226,8 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
     return jax.tree.map(lambda s: P(*to_mesh(tuple(s), given)), declared, is_leaf=_is_spec)
 
   _check_gather(gather)
-  specs.gather = gather
+  _check_prefetch(prefetch)
+  specs.gather, specs.prefetch = gather, prefetch
   return specs
 
 

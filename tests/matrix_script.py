@@ -23,7 +23,8 @@ P = jax.sharding.PartitionSpec
 
 FACTORS = {
     "model": ["nnx", "linen", "equinox"],
-    "layout": ["replicated", "fsdp", "fsdp over two axes", "logical rules", "fsdp, whole model"],
+    "layout": ["replicated", "fsdp", "fsdp over two axes, prefetch", "logical rules",
+               "fsdp, whole model"],
     "policy": ["float32", "mixed_bfloat16", "mixed_float16", "float16", "mixed_fp8",
                "mixed_fp8_current", "p=f32,c=f16,fp8=delayed"],
     "accum": [1, 2],
@@ -173,9 +174,9 @@ def layout_kwargs(layout, mesh):
   if layout == "fsdp, whole model":  # NNX models gather per layer by default
     return dict(mesh=mesh, batch_axis="data",
                 param_sharding=jaxamp.fsdp("data", min_size=1, gather="model"))
-  if layout == "fsdp over two axes":
+  if layout == "fsdp over two axes, prefetch":  # each module's gathers one module ahead
     return dict(mesh=mesh, batch_axis="data",
-                param_sharding=jaxamp.fsdp(("data", "model"), min_size=1))
+                param_sharding=jaxamp.fsdp(("data", "model"), min_size=1, prefetch=True))
   return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.annotated(LOGICAL))
 
 

@@ -269,6 +269,93 @@ def test_per_layer_steps_keep_their_optimization_barriers_on_cpu():
   assert compiler_options(compiler_options(None, cpu), cpu) == compiler_options(None, cpu)
 
 
+def _gathers_and_whether_they_wait_for(jaxpr, source):
+  """(gathered shape, whether it depends on a value an equation ``source`` says is one)
+  for each all_gather in ``jaxpr``, at any depth (a value inside a nested jaxpr depends
+  on its equation's inputs where the two line up one to one, else on all of them)."""
+  literal = jax.extend.core.Literal
+  found = []
+
+  def run(jaxpr, waits):
+    waits = set(waits)
+    hit = lambda vs: [not isinstance(v, literal) and v in waits for v in vs]
+    for eqn in jaxpr.eqns:
+      ins = hit(eqn.invars)
+      if eqn.primitive.name == "all_gather":
+        found.append((tuple(eqn.outvars[0].aval.shape), any(ins)))
+      subs = [getattr(x, "jaxpr", x) for v in eqn.params.values()
+              for x in (v if isinstance(v, (tuple, list)) else [v])
+              if hasattr(getattr(x, "jaxpr", x), "eqns")]
+      outs = [any(ins) and not subs] * len(eqn.outvars)
+      for sub in subs:
+        one_to_one = len(sub.invars) == len(eqn.invars)
+        inner = run(sub, [s for s, h in zip(sub.invars, ins) if h] if one_to_one
+                    else (sub.invars if any(ins) else []))
+        sub_out = [not isinstance(v, literal) and v in inner for v in sub.outvars]
+        outs = ([a or b for a, b in zip(outs, sub_out)] if len(sub_out) == len(outs)
+                else [any(outs) or any(sub_out)] * len(outs))
+      waits.update(o for o, h in zip(eqn.outvars, outs) if h or source(eqn))
+    return waits
+
+  run(jaxpr, [])
+  return found
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen", "equinox"])
+def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes(kind):
+  """fsdp(prefetch=True): the second layer's gathers wait for the first layer's inputs,
+  not its output, so a scheduler may overlap them with the first layer's matmul;
+  without, they wait for the layer's own inputs (the first layer's output). Read off the
+  step's jaxpr: which all_gathers depend on the first layer's matmul."""
+  x = jnp.ones((4, 16))
+  if kind == "nnx":
+    class MLP(nnx.Module):
+      def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(16, 24, rngs=rngs), nnx.Linear(24, 40, rngs=rngs)
+
+      def __call__(self, x):
+        return self.b(jax.nn.relu(self.a(x)))
+    model, variables = MLP(nnx.Rngs(0)), None
+  elif kind == "linen":
+    class MLP(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(40)(jax.nn.relu(nn.Dense(24)(x)))
+    model = MLP()
+    variables = model.init(jax.random.key(0), x)
+  else:
+    eqx = pytest.importorskip("equinox")
+    model, variables = eqx.nn.MLP(16, 40, 24, 1, key=jax.random.key(0)), None  # (out, in)
+  call = (lambda m, b: jax.vmap(m)(b)) if kind == "equinox" else (lambda m, b: m(b))
+  mesh = jax.make_mesh((1,), ("fsdp",))
+  first_matmul = lambda eqn: (eqn.primitive.name == "dot_general"
+                              and eqn.outvars[0].aval.shape in ((4, 24), (24, 4)))
+  waits = {}
+  for prefetch in (False, True):
+    train = jaxamp.make_train_step(
+        lambda m, b: jnp.mean(call(m, b).astype(jnp.float32) ** 2), optax.sgd(0.1),
+        policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
+        param_sharding=fsdp(min_size=16, gather="layer", prefetch=prefetch))
+    state = (train.init(model, variables, x) if variables is not None
+             else train.init(model))
+    assert train.plan.prefetch == prefetch
+    found = _gathers_and_whether_they_wait_for(train.trace(state, x).jaxpr.jaxpr,
+                                              first_matmul)
+    second = [w for shape, w in found if shape in ((24, 40), (40, 24), (40,))]
+    assert second and [w for shape, w in found if shape in ((16, 24), (24, 16))], found
+    waits[prefetch] = second
+  assert all(waits[False]), waits  # forward and backward gathers: after the first layer
+  assert not any(waits[True]), waits
+  # On CPU devices the default is off (XLA:CPU overlaps nothing).
+  cpu_default = jaxamp.make_train_step(
+      lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
+      param_sharding=fsdp(min_size=16, gather="layer"))
+  cpu_default.init(nnx.Linear(16, 24, rngs=nnx.Rngs(0)))
+  assert cpu_default.plan.layer_gather and not cpu_default.plan.prefetch
+  with pytest.raises(ValueError, match="prefetch must be True, False or None .*got 'yes'"):
+    fsdp(prefetch="yes")
+
+
 def test_collectives_reads_hlo_and_stablehlo():
   hlo = textwrap.dedent("""
       %ag = bf16[8,4]{1,0} all-gather(bf16[1,4]{1,0} %p), dimensions={0}

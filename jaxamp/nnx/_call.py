@@ -25,6 +25,7 @@ from jaxamp.nnx._variables import (_gathered_on_read, _keep_dtype, _owned_variab
 from jaxamp.policy import Policy
 from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import resolve_policy
+from jaxamp.train.gather import tie_for
 
 
 # Methods that run under the module's policy, by class (subclasses included). Add your
@@ -192,8 +193,9 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   what ``fn`` computes from them.
 
   With ``tied`` (parameters gathered at their reads), the module's parameter slices pass
-  an ``optimization_barrier`` with its array inputs: the gathers wait for the module's
-  inputs, so the compiler cannot hoist every layer's gather to the step's start.
+  an ``optimization_barrier`` with what :func:`jaxamp.train.gather.tie_for` says (its
+  array inputs, or under prefetching the previous reading module's): the gathers wait
+  for those, so the compiler cannot hoist every layer's gather to the step's start.
 
   The module runs as a copy merged inside the checkpoint; the Variables it updates
   (BatchNorm's statistics) are written back to ``module`` afterwards, through the
@@ -205,9 +207,9 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   graphdef, params, others = nnx.split(module, nnx.Param, ...)
   updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
 
-  def run(params, others, arrays):
+  def run(params, others, arrays, tie):
     if tied:
-      params, arrays = jax.lax.optimization_barrier((params, arrays))
+      params, _ = jax.lax.optimization_barrier((params, tie))
     copy = nnx.merge(graphdef, params, others, copy=True)
     before = {path: v.get_raw_value()
               for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
@@ -222,8 +224,9 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     updated[:] = [path for path, _ in new]
     return out, [value for _, value in new]
 
-  out, values = jax.checkpoint(run, policy=policy)(params, others,
-                                                   [leaves[i] for i in where])
+  arrays = [leaves[i] for i in where]
+  out, values = jax.checkpoint(run, policy=policy)(params, others, arrays,
+                                                   tie_for(arrays) if tied else [])
   variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
   for path, value in zip(updated, values):
     variables[path].set_raw_value(value)

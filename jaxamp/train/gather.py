@@ -17,7 +17,9 @@ layout (the backward pass). Two places to do it:
   gathers one layer's slice. The gathered values are not saved for the backward pass:
   each reading module runs under its own checkpoint, whose policy
   (:func:`jaxamp.residuals.gathers`) has them gathered again there, as PyTorch FSDP and
-  MaxText do. Where the reads happen: NNX Variables' ``on_get_value`` hooks
+  MaxText do. A module's gathers wait for its inputs, or with :func:`prefetching` for
+  those of the module before it (:func:`tie_for`), so the compiler cannot hoist them
+  all to the step's start. Where the reads happen: NNX Variables' ``on_get_value`` hooks
   (:mod:`jaxamp.nnx`); for Linen (``self.param``) and Equinox (a policy view's field
   reads) the slice is boxed as a :class:`Slice`, which the read unboxes, in the dtype
   and after the inputs :func:`reading` names. A slice used as an array otherwise (a raw
@@ -42,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jax_core
 import numpy as np
 from flax import struct
 from flax.core import meta as flax_meta
@@ -52,7 +55,8 @@ from jaxamp.residuals import gathers
 from jaxamp.rules import path_name
 
 __all__ = ["Shard", "Slice", "RawSliceRead", "gathered", "reduced", "read", "global_reads",
-           "sliced", "is_slice", "whole", "reading", "gather_all", "reduce_all",
+           "sliced", "is_slice", "whole", "reading", "prefetching", "tie_for", "prefetches",
+           "gather_all", "reduce_all",
            "compiler_options", "check_reads"]
 
 P = jax.sharding.PartitionSpec
@@ -222,8 +226,10 @@ gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 class _Reading(threading.local):
   dtype: Any = None  # the compute dtype of the module reading (None: the stored dtype)
-  tie: Any = None  # that module's array inputs, which its gathers wait for
+  tie: Any = None  # the arrays that module's gathers wait for (see tie_for)
   mesh: Any = None  # global_reads' mesh (None: reads are inside the step's shard_map)
+  prefetch: bool = False  # prefetching's setting
+  previous: Any = None  # (trace, inputs) of the last reading module, under prefetching
 
 
 _reading_now = _Reading()
@@ -232,14 +238,59 @@ _reading_now = _Reading()
 @contextlib.contextmanager
 def reading(dtype: Any, tie: Any = None) -> Iterator[None]:
   """:class:`Slice` s read in the ``with`` block are gathered in ``dtype`` (None: their
-  stored dtype), after ``tie`` (arrays the gathers wait for: the reading module's
-  inputs)."""
+  stored dtype), after ``tie`` (arrays the gathers wait for: :func:`tie_for`)."""
   old = _reading_now.dtype, _reading_now.tie
   _reading_now.dtype, _reading_now.tie = dtype, tie
   try:
     yield
   finally:
     _reading_now.dtype, _reading_now.tie = old
+
+
+@contextlib.contextmanager
+def prefetching(on: bool) -> Iterator[None]:
+  """In the ``with`` block (one trace of a step's model), :func:`tie_for` lets each
+  reading module's gathers start once the module read before it starts (``on``), or
+  once its own inputs are ready."""
+  old = _reading_now.prefetch, _reading_now.previous
+  _reading_now.prefetch, _reading_now.previous = bool(on), None
+  try:
+    yield
+  finally:
+    _reading_now.prefetch, _reading_now.previous = old
+
+
+def tie_for(inputs: list[Any]) -> list[Any]:
+  """What the gathers of a module reading parameter slices wait for (an
+  ``optimization_barrier`` with them), given the module's array ``inputs``, as the
+  module is called (outside its checkpoint).
+
+  Its own inputs: the gathers run one module at a time, in the model's order, and the
+  compiler cannot hoist every layer's gather to the step's start (XLA:CPU would). Under
+  :func:`prefetching`, the inputs of the module read before it in the same trace
+  (none: its own): its gathers may then run while that module computes, so a compiler
+  that overlaps collectives with compute (XLA:GPU's latency-hiding scheduler) can
+  hide them, at the cost of two modules' parameters gathered at once rather than one,
+  as PyTorch FSDP's prefetch of the next module does. "Before" is the order modules
+  are called in (for parallel branches, the order they are traced), and not across a
+  transformation's boundary (the first module in an ``nnx.scan`` body waits for its
+  own inputs)."""
+  if not _reading_now.prefetch:
+    return inputs
+  trace = jax_core.get_opaque_trace_state()
+  previous, _reading_now.previous = _reading_now.previous, (trace, inputs)
+  if previous is not None and previous[0] == trace:
+    return previous[1]
+  return inputs
+
+
+def prefetches(setting: bool | None, mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether a step on ``mesh`` prefetches (``fsdp(..., prefetch=setting)``): the
+  setting, or where it is None, on devices other than CPUs (whose collectives do not
+  overlap compute: a prefetch there costs memory and buys nothing)."""
+  if setting is not None:
+    return setting
+  return mesh is not None and not _on_cpu(mesh)
 
 
 @contextlib.contextmanager
@@ -297,7 +348,7 @@ class Slice(struct.PyTreeNode, flax_meta.AxisMetadata):
 
   def unbox(self) -> Any:
     x = self.value
-    if _reading_now.tie:  # the gather waits for the reading module's inputs
+    if _reading_now.tie:  # the gather waits for these (tie_for)
       x, _ = jax.lax.optimization_barrier((x, _reading_now.tie))
     dtype = _reading_now.dtype if is_floating_array(x) and _reading_now.dtype else x.dtype
     return read(x, self.shard, dtype)
@@ -378,10 +429,14 @@ def reduce_all(shards: Sequence[Shard], grads: Any, dtypes: Sequence[Any]) -> An
                             for g, s, dt in zip(leaves, shards, dtypes)])
 
 
+def _on_cpu(mesh: jax.sharding.Mesh) -> bool:
+  return mesh.devices.flat[0].platform == "cpu"
+
+
 def compiler_options(options: Any, mesh: jax.sharding.Mesh) -> Any:
   """The XLA options of a step gathering per layer on ``mesh``: ``options`` (the
   user's, or None) and, on CPU devices, the optimization barriers kept."""
-  if mesh.devices.flat[0].platform != "cpu":
+  if not _on_cpu(mesh):
     return options
   key, value = _KEEP_BARRIERS
   out = dict(options or {})

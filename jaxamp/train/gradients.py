@@ -41,7 +41,8 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
     # A scope even with no FP8 state, if some layer runs FP8: those that fall back to
     # current scaling (all inside scans, say) warn.
     record = bool(f8) or asks_for_fp8(options.policy)
-    with fp8_lib.state_scope(f8, record=record) as scope:
+    with fp8_lib.state_scope(f8, record=record) as scope, \
+        gather_lib.prefetching(plan.prefetch):
       model, new_state = plan.adapter.bind(
           p, ms, key, options.policy, train=True, float32_outputs=options.float32_outputs,
           **({"shards": plan.shards} if plan.layer_gather else {}))

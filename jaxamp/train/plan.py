@@ -23,6 +23,7 @@ from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy
 from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
+from jaxamp.train import gather as gather_lib
 from jaxamp.train.loss import check_signature
 
 STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
@@ -167,6 +168,12 @@ class Plan:
   def sharded(self) -> bool:
     """Whether params are stored sharded (``param_sharding``)."""
     return self.param_specs is not None
+
+  @property
+  def prefetch(self) -> bool:
+    """Whether per-layer gathers may run one module ahead (``fsdp(prefetch=...)``)."""
+    return self.layer_gather and gather_lib.prefetches(
+        sharding_lib.prefetch_of(self.options.param_sharding), self.options.mesh)
 
   def replicated(self) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(self.options.mesh, jax.sharding.PartitionSpec())

@@ -116,7 +116,7 @@ def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False
   # closed-over array keeps its Explicit mesh, which the Auto one inside refuses to mix
   # with (Linen's dropout key, the FP8 state).
   def run(params, model_state, rng, fp8, batch):
-    with fp8_lib.state_scope(fp8):
+    with fp8_lib.state_scope(fp8), gather.prefetching(per_layer and plan.prefetch):
       model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
                                    float32_outputs=options.float32_outputs, shards=shards)
       return cast_floating(call_user(options.evaluate, model, batch), F32)
