@@ -8,7 +8,7 @@ same two in Flax Linen (:class:`benchmarks.models.LinenGPT`, ``nn.scan``), at se
 depths, trained under ``mixed_bfloat16`` with Adam on a mesh of 8 devices, data
 parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp', gather=...)``)
 gathering the whole model at the step's start (``'model'``) or each parameter where a
-module reads it (``'layer'``). For the memory tables nothing runs: each step is lowered
+module reads it (``'layer'``; without and with ``prefetch``, one module ahead). For the memory tables nothing runs: each step is lowered
 and compiled, and per device it reads
 
 - XLA's ``memory_analysis()`` of the compiled step: arguments, outputs, temporaries and
@@ -70,8 +70,11 @@ CONFIGS = {
 SMOKE = {"smoke LM": models.LMConfig(64, 32, 2, 1, 16, 8)}
 DEVICES = 8
 # Data parallel; FSDP gathering the whole model at the step's start; FSDP gathering each
-# parameter where a module reads it (jaxamp.fsdp(gather=...)).
-LAYOUTS = {"data parallel": None, "fsdp (model)": "model", "fsdp (layer)": "layer"}
+# parameter where a module reads it, its gathers after its own inputs (the default on
+# CPU) or one module ahead (prefetch=True, the default on GPUs): jaxamp.fsdp's keywords.
+LAYOUTS = {"data parallel": None, "fsdp (model)": {"gather": "model"},
+           "fsdp (layer)": {"gather": "layer", "prefetch": False},
+           "fsdp (layer, prefetch)": {"gather": "layer", "prefetch": True}}
 # Each kind: the model of a config, and whether it is a Linen module.
 KINDS = {
     "unrolled": (lambda cfg: models.GPT(cfg, rngs=nnx.Rngs(0)), False),
@@ -94,8 +97,8 @@ def _init(kind: str, cfg: models.LMConfig, train: Any) -> tuple[Any, Any]:
 
 
 def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
-  gather = LAYOUTS[layout]
-  kw = {"param_sharding": jaxamp.fsdp("fsdp", gather=gather)} if gather else {}
+  fsdp = LAYOUTS[layout]
+  kw = {"param_sharding": jaxamp.fsdp("fsdp", **fsdp)} if fsdp else {}
   return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
                                 batch_axis="fsdp", **kw)
 
@@ -216,7 +219,9 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
       f"`{POLICY}`, AdamW, mesh of {DEVICES} devices on axis `fsdp`, the batch split over "
       "them; layouts: data parallel, FSDP gathering the whole model at the step's start "
       "(`gather='model'`), FSDP gathering each parameter where a module reads it "
-      "(`gather='layer'`). Compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
+      "(`gather='layer'`), each module's gathers after its own inputs (`prefetch=False`, "
+      "the default on CPU) or after the previous module's (`prefetch=True`, the default "
+      "on GPUs: one module ahead). Compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
       "(**peak** = arguments + outputs + temporaries − donated aliases); **gathered "
       "model** / **block**: the parameters in the dtypes the step gathers them in; "
       "**growth / layer**: the peak's increase per added layer from the row above (same "
@@ -256,6 +261,7 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
       by = {r["layout"]: r for r in rows if r["kind"] == kind and r["layers"] == deepest}
       if len(by) == len(LAYOUTS):
         dp, whole, layer = by["data parallel"], by["fsdp (model)"], by["fsdp (layer)"]
+        ahead = by["fsdp (layer, prefetch)"]
         lines.append(
             f"- {kind}, {deepest} layers: per-layer FSDP peak {_mib(layer['peak'])} MiB, "
             f"**{layer['peak'] / whole['peak']:.2f}×** whole-model FSDP's "
@@ -263,10 +269,12 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
             f"parallel's; it grows by {_mib(layer['growth'])} MiB per layer (whole-model: "
             f"{_mib(whole['growth'])}), of which the sharded arguments (params, Adam "
             f"moments) are {_mib(_args_growth(rows, kind, 'fsdp (layer)'))}; one block "
-            f"gathered is {_mib(layer['gathered_block'])} MiB. Eval: "
-            f"{_mib(layer['eval_peak'])} MiB per layer, "
+            f"gathered is {_mib(layer['gathered_block'])} MiB. Eval gathering per layer: "
+            f"{_mib(layer['eval_peak'])} MiB, "
             f"**{layer['eval_peak'] / whole['eval_peak']:.2f}×** the whole model's "
-            f"({_mib(whole['eval_peak'])} MiB).")
+            f"({_mib(whole['eval_peak'])} MiB). Prefetching one module ahead: peak "
+            f"{_mib(ahead['peak'])} MiB ({ahead['peak'] / whole['peak']:.2f}×), growth "
+            f"{_mib(ahead['growth'])} MiB per layer.")
     lines.append("")
   return "\n".join(lines)
 
