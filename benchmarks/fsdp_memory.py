@@ -72,9 +72,13 @@ DEVICES = 8
 # Data parallel; FSDP gathering the whole model at the step's start; FSDP gathering each
 # parameter where a module reads it, its gathers after its own inputs (the default on
 # CPU) or one module ahead (prefetch=True, the default on GPUs): jaxamp.fsdp's keywords.
+# And the per-layer step without the exact skip of non-finite steps
+# (make_train_step(skip_nonfinite=False)), which need not hold every gradient shard until
+# the all-finite decision.
 LAYOUTS = {"data parallel": None, "fsdp (model)": {"gather": "model"},
            "fsdp (layer)": {"gather": "layer", "prefetch": False},
-           "fsdp (layer, prefetch)": {"gather": "layer", "prefetch": True}}
+           "fsdp (layer, prefetch)": {"gather": "layer", "prefetch": True},
+           "fsdp (layer), no skip": {"gather": "layer", "prefetch": False, "skip": False}}
 # Each kind: the model of a config, and whether it is a Linen module.
 KINDS = {
     "unrolled": (lambda cfg: models.GPT(cfg, rngs=nnx.Rngs(0)), False),
@@ -97,8 +101,10 @@ def _init(kind: str, cfg: models.LMConfig, train: Any) -> tuple[Any, Any]:
 
 
 def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
-  fsdp = LAYOUTS[layout]
-  kw = {"param_sharding": jaxamp.fsdp("fsdp", **fsdp)} if fsdp else {}
+  fsdp = dict(LAYOUTS[layout] or {})
+  kw = {"skip_nonfinite": fsdp.pop("skip", True)}
+  if fsdp:
+    kw["param_sharding"] = jaxamp.fsdp("fsdp", **fsdp)
   return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
                                 batch_axis="fsdp", **kw)
 
@@ -221,7 +227,9 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
       "(`gather='model'`), FSDP gathering each parameter where a module reads it "
       "(`gather='layer'`), each module's gathers after its own inputs (`prefetch=False`, "
       "the default on CPU) or after the previous module's (`prefetch=True`, the default "
-      "on GPUs: one module ahead). Compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
+      "on GPUs: one module ahead), and without the exact skip of non-finite steps "
+      "(`skip_nonfinite=False`: no gradient shard is held until the all-finite decision). "
+      "Compiled, not run. Per device, in MiB: XLA's `memory_analysis()` of the step "
       "(**peak** = arguments + outputs + temporaries − donated aliases); **gathered "
       "model** / **block**: the parameters in the dtypes the step gathers them in; "
       "**growth / layer**: the peak's increase per added layer from the row above (same "
@@ -261,7 +269,7 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
       by = {r["layout"]: r for r in rows if r["kind"] == kind and r["layers"] == deepest}
       if len(by) == len(LAYOUTS):
         dp, whole, layer = by["data parallel"], by["fsdp (model)"], by["fsdp (layer)"]
-        ahead = by["fsdp (layer, prefetch)"]
+        ahead, unskipped = by["fsdp (layer, prefetch)"], by["fsdp (layer), no skip"]
         lines.append(
             f"- {kind}, {deepest} layers: per-layer FSDP peak {_mib(layer['peak'])} MiB, "
             f"**{layer['peak'] / whole['peak']:.2f}×** whole-model FSDP's "
@@ -274,7 +282,9 @@ def markdown(info: dict[str, Any], tables: dict[str, list[dict[str, Any]]],
             f"**{layer['eval_peak'] / whole['eval_peak']:.2f}×** the whole model's "
             f"({_mib(whole['eval_peak'])} MiB). Prefetching one module ahead: peak "
             f"{_mib(ahead['peak'])} MiB ({ahead['peak'] / whole['peak']:.2f}×), growth "
-            f"{_mib(ahead['growth'])} MiB per layer.")
+            f"{_mib(ahead['growth'])} MiB per layer. Without the exact skip "
+            f"(`skip_nonfinite=False`): peak {_mib(unskipped['peak'])} MiB "
+            f"(**{unskipped['peak'] / whole['peak']:.2f}×**).")
     lines.append("")
   return "\n".join(lines)
 
