@@ -208,8 +208,10 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
 
   def run(params, others, arrays, tie):
-    if tied:
+    if tied and tie:  # prefetching: after the previous module's inputs, not its own
       params, _ = jax.lax.optimization_barrier((params, tie))
+    elif tied:  # its inputs pass too (its eval then keeps one layer gathered, not more)
+      params, arrays = jax.lax.optimization_barrier((params, arrays))
     copy = nnx.merge(graphdef, params, others, copy=True)
     before = {path: v.get_raw_value()
               for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
@@ -225,8 +227,9 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     return out, [value for _, value in new]
 
   arrays = [leaves[i] for i in where]
+  tie = tie_for(arrays) if tied else arrays
   out, values = jax.checkpoint(run, policy=policy)(params, others, arrays,
-                                                   tie_for(arrays) if tied else [])
+                                                   [] if tie is arrays else tie)
   variables = dict(nnx.to_flat_state(others))  # ``module``'s own Variable objects
   for path, value in zip(updated, values):
     variables[path].set_raw_value(value)
