@@ -8,8 +8,9 @@ same two in Flax Linen (:class:`benchmarks.models.LinenGPT`, ``nn.scan``), at se
 depths, trained under ``mixed_bfloat16`` with Adam on a mesh of 8 devices, data
 parallel (params replicated) and FSDP (``param_sharding=jaxamp.fsdp('fsdp', gather=...)``)
 gathering the whole model at the step's start (``'model'``) or each parameter where a
-module reads it (``'layer'``; without and with ``prefetch``, one module ahead). For the memory tables nothing runs: each step is lowered
-and compiled, and per device it reads
+module reads it (``'layer'``; without and with ``prefetch``, one module ahead; and
+without the exact skip of non-finite steps). For the memory tables nothing runs: each
+step is lowered and compiled, and per device it reads
 
 - XLA's ``memory_analysis()`` of the compiled step: arguments, outputs, temporaries and
   the donated (aliased) bytes; **peak** is arguments + outputs + temporaries − aliased,
