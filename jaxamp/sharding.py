@@ -84,10 +84,14 @@ def _check_gather(gather: str) -> None:
                      f"{gather!r}.")
 
 
-def _check_prefetch(prefetch: Any) -> None:
+def _check_prefetch(prefetch: Any, gather: str) -> None:
   if not isinstance(prefetch, (bool, type(None))):
     raise ValueError(f"prefetch must be True, False or None (on devices other than CPUs), "
                      f"got {prefetch!r}.")
+  if prefetch and gather == "model":
+    raise ValueError("prefetch=True runs per-layer gathers one module ahead, but "
+                     "gather='model' gathers the whole model at the step's start: use "
+                     "gather='layer' (or 'auto'), or leave prefetch out.")
 
 
 def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
@@ -146,7 +150,7 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
   if not names:
     raise ValueError("fsdp needs a mesh axis name, got none.")
   _check_gather(gather)
-  _check_prefetch(prefetch)
+  _check_prefetch(prefetch, gather)
 
   def specs(params: Any, mesh: jax.sharding.Mesh) -> Any:
     _check_axes(names, mesh, "fsdp axis")
@@ -226,7 +230,7 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
     return jax.tree.map(lambda s: P(*to_mesh(tuple(s), given)), declared, is_leaf=_is_spec)
 
   _check_gather(gather)
-  _check_prefetch(prefetch)
+  _check_prefetch(prefetch, gather)
   specs.gather, specs.prefetch = gather, prefetch
   return specs
 

@@ -354,6 +354,10 @@ def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes
   assert cpu_default.plan.layer_gather and not cpu_default.plan.prefetch
   with pytest.raises(ValueError, match="prefetch must be True, False or None .*got 'yes'"):
     fsdp(prefetch="yes")
+  for preset in (fsdp, jaxamp.annotated):
+    with pytest.raises(ValueError, match="prefetch=True runs per-layer gathers one module "
+                       "ahead, but gather='model'"):
+      preset(gather="model", prefetch=True)
 
 
 def test_collectives_reads_hlo_and_stablehlo():
