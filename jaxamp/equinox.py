@@ -55,7 +55,7 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import path_name, resolve_tree
-from jaxamp.train import gather as gather_lib
+from jaxamp import gather as gather_lib
 
 __all__ = ["POLICY_METHODS", "with_policy", "module_policies", "unwrap", "view_policy",
            "matmul_census", "is_policy_view"]

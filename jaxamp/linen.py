@@ -55,7 +55,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
+from jaxamp import gather as gather_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
                                  set_attr_unchecked, union_filters)
@@ -65,7 +67,6 @@ from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
                           path_name, resolve_policy, resolve_tree)
-from jaxamp.train import gather as gather_lib
 
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
@@ -196,40 +197,14 @@ def _enclosing(policies: Mapping[Path, Policy], path: Path) -> Policy:
   raise KeyError(path)  # unreachable: the root path () is always resolved
 
 
-def _is_array_like(x: Any) -> bool:
-  return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _abstractly(trace: Callable[..., Any], fn: Callable[..., Any], *trees: Any) -> Any:
-  """``trace`` (``jax.eval_shape``, ``jax.make_jaxpr``) applied to ``fn(*trees)``.
-
-  Array leaves (concrete, traced or ``jax.ShapeDtypeStruct``) become abstract
-  arguments; every other leaf (flags, method names) stays a static value.
-  """
-  leaves, treedef = jax.tree.flatten(trees)
-  arrays = [_is_array_like(x) for x in leaves]
-
-  def run(*dynamic):
-    it = iter(dynamic)
-    return fn(*jax.tree.unflatten(treedef, [next(it) if a else x
-                                            for x, a in zip(leaves, arrays)]))
-
-  with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
-    return trace(run)(*(x for x, a in zip(leaves, arrays) if a))
-
-
 def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Plan:
   """Traces ``fn(*trees)`` (nothing runs) and records the modules that run in it, and
   which of them run matmuls."""
   recorder, plan = _recording(root)
   with nn.intercept_methods(recorder):
-    jaxpr = _abstractly(jax.make_jaxpr, _arrays_of(fn), *trees)
+    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
+      jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(fn), *trees)
   return plan(jaxpr)
-
-
-def _arrays_of(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
-  """``fn`` returning only the arrays of its result (tracing needs array outputs)."""
-  return lambda *a: [x for x in jax.tree.leaves(fn(*a)) if _is_array_like(x)]
 
 
 def _apply_plan(module: nn.Module, variables: Any, args: tuple[Any, ...],
@@ -535,29 +510,6 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
 # --- plan cache keys ---------------------------------------------------------------------------
 
 
-class _Uncacheable(Exception):
-  pass
-
-
-def _leaf_key(x: Any) -> Hashable:
-  if _is_array_like(x):
-    return ("array", tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
-  try:
-    hash(x)
-  except TypeError:
-    raise _Uncacheable() from None
-  return ("value", type(x), x)
-
-
-def _signature(*trees: Any) -> Hashable | None:
-  """A hashable key for the shapes, dtypes and static values of ``trees``, or None."""
-  leaves, treedef = jax.tree.flatten(trees)
-  try:
-    return treedef, tuple(_leaf_key(x) for x in leaves)
-  except _Uncacheable:
-    return None
-
-
 # --- the wrapper ----------------------------------------------------------------------------
 
 
@@ -643,7 +595,7 @@ class LinenPolicy:
     """
     call_kwargs = dict(kwargs, rngs=rngs, method=method, mutable=mutable)
     planned = _planned(variables)
-    key = _signature(planned, args, call_kwargs)
+    key = _trace.signature(planned, args, call_kwargs)
     plan = self._plan(key, planned, args, call_kwargs)
     if key is None or key not in self._checked:
       self._check(plan, planned, args, call_kwargs)
@@ -686,15 +638,16 @@ class LinenPolicy:
       the forward pass, the ``'/'``-joined module path of each scope number, and each
       module's resolved policy by path.
     """
-    key = _signature(variables, args, kwargs)
+    key = _trace.signature(variables, args, kwargs)
     return self._census(self._plan(key, variables, args, kwargs), variables, args, kwargs)
 
   def _census(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
     scopes: dict[Path, int] = {}
-    jaxpr = _abstractly(jax.make_jaxpr,
-                        _arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
-                        variables, args, kwargs)
+    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
+      jaxpr = _trace.abstractly(
+          jax.make_jaxpr, _trace.arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
+          variables, args, kwargs)
     names = [path_name(path) for path in sorted(scopes, key=scopes.get)]
     policies = _resolve(plan, self.model_policy())
     return (module_matmuls(jaxpr), names,

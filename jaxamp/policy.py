@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _warn_once
+from jaxamp import _warn_once, recipes
 from jaxamp.casting import cast_floating
 
 __all__ = [
@@ -188,9 +188,7 @@ class Policy:
     compute = param if compute_dtype is None else _to_dtype(compute_dtype, "compute_dtype")
     output = compute if output_dtype is None else _to_dtype(output_dtype, "output_dtype")
     if fp8 is not None:
-      from jaxamp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
-
-      fp8 = fp8_lib.check_recipe(fp8)
+      fp8 = recipes.check_recipe(fp8)
       if compute == np.dtype(jnp.float64):
         raise ValueError("An FP8 policy cannot compute in float64: FP8 matmuls accumulate in "
                          "float32. Use compute_dtype bfloat16 (as 'mixed_fp8'), float16 or "
@@ -272,11 +270,9 @@ PolicyLike = Union[Policy, str, Any]
 
 
 def _fp8_name(policy: Policy) -> str:
-  from jaxamp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
-
   recipe = policy.fp8
-  token = ("delayed" if recipe == fp8_lib.DelayedScaling() else
-           "current" if recipe == fp8_lib.CurrentScaling() else repr(recipe))
+  token = ("delayed" if recipe == recipes.DelayedScaling() else
+           "current" if recipe == recipes.CurrentScaling() else repr(recipe))
   base = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
   if base == (_FLOAT32, np.dtype(jnp.bfloat16), np.dtype(jnp.bfloat16)):
     for name, kind in _FP8_NAMES.items():

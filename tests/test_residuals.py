@@ -12,7 +12,7 @@ from flax import nnx
 import jaxamp
 from jaxamp.residuals import (gathers, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
-from jaxamp.train.gather import Shard, gathered
+from jaxamp.gather import Shard, gathered
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Bit-identical comparisons need XLA to round as the program says: with excess precision

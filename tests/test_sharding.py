@@ -23,7 +23,7 @@ from flax import nnx
 
 import jaxamp
 from jaxamp.sharding import Collective, collectives, fsdp, param_specs
-from jaxamp.train.gather import Shard, compiler_options
+from jaxamp.gather import Shard, compiler_options
 
 P = jax.sharding.PartitionSpec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

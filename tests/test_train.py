@@ -853,7 +853,7 @@ _MESH_SCRIPT = textwrap.dedent("""
       train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', **kw)
       state = init(train, 'nnx', batchnorm=False)
       if name == 'mesh':
-        assert 'all-reduce' in train._step_jit.lower(state, batches[0]).compile().as_text()
+        assert 'all-reduce' in train._programs.step_jit.lower(state, batches[0]).compile().as_text()
       for b in batches:
         state, metrics = train.step(state, b)
       out[name] = leaves(state.params)

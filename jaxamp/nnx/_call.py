@@ -25,7 +25,7 @@ from jaxamp.nnx._variables import (_gathered_on_read, _keep_dtype, _owned_variab
 from jaxamp.policy import Policy
 from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import resolve_policy
-from jaxamp.train.gather import tie_for
+from jaxamp.gather import tie_for
 
 
 # Methods that run under the module's policy, by class (subclasses included). Add your
@@ -193,7 +193,7 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   what ``fn`` computes from them.
 
   With ``tied`` (parameters gathered at their reads), the module's parameter slices pass
-  an ``optimization_barrier`` with what :func:`jaxamp.train.gather.tie_for` says (its
+  an ``optimization_barrier`` with what :func:`jaxamp.gather.tie_for` says (its
   array inputs, or under prefetching the previous reading module's): the gathers wait
   for those, so the compiler cannot hoist every layer's gather to the step's start.
 

@@ -19,7 +19,7 @@ from jaxamp import _flax_compat
 from jaxamp._flax_compat import NNX_BOOKKEEPING_PREFIX, set_attr_unchecked
 from jaxamp.casting import is_floating_array, read_as
 from jaxamp.rules import is_named_attention
-from jaxamp.train.gather import read
+from jaxamp.gather import read
 
 _MISSING = object()
 
@@ -171,7 +171,7 @@ def _gathered_on_read(variable: nnx.Variable) -> bool:
 
 def gather_on_read(variable: nnx.Variable, shard: Any) -> None:
   """Makes the parameter slice ``variable`` (inside the step's ``shard_map``) read as the
-  whole parameter, all-gathered (:func:`jaxamp.train.gather.gathered`), in the compute
+  whole parameter, all-gathered (:func:`jaxamp.gather.gathered`), in the compute
   dtype of the module reading it; its gradient leaves reduce-scattered. For the
   Variables of a model bound for one step: nothing is undone."""
   meta = _metadata(variable)

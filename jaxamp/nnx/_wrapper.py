@@ -14,6 +14,7 @@ import jax
 import jax.extend.core as jax_core
 from flax import nnx
 
+from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import set_attr_unchecked
@@ -343,23 +344,17 @@ def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
   """The matmul census of ``wrapper``'s ``name`` call, traced on a copy of the model."""
   graphdef, state = nnx.split(wrapper.module)
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  arrays = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
   call = _Call(wrapper._model_policy(), wrapper.recompute_norms, {}, [])
 
-  def run(state, *dynamic):
+  def run(state, a, k):
     copy = PolicyModule(nnx.merge(graphdef, state), wrapper.policy,
                         recompute_norms=wrapper.recompute_norms)
-    it = iter(dynamic)
-    a, k = jax.tree.unflatten(treedef, [next(it) if is_array else x
-                                        for x, is_array in zip(leaves, arrays)])
-    out = copy._run(name, a, k, call)
-    return [x for x in jax.tree.leaves(out) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    return copy._run(name, a, k, call)
 
   # The copy's modules are new objects: number them as _applied meets them. Traced
   # inside a train step, the copy must not read (or warn of missing) FP8 state.
   with fp8_lib.suspended():
-    jaxpr = jax.make_jaxpr(run)(state, *(x for x, a in zip(leaves, arrays) if a))
+    jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(run), state, args, kwargs)
   policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
   return module_matmuls(jaxpr), call.names, policies
 

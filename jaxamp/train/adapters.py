@@ -21,11 +21,11 @@ import jax
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import gather
 from jaxamp import nnx as amp_nnx
 from jaxamp.casting import cast_floating
 from jaxamp.nnx._variables import gather_on_read
 from jaxamp.rules import path_name
-from jaxamp.train import gather
 from jaxamp.train.loss import F32
 from jaxamp.train.state import TrainState
 
@@ -73,7 +73,7 @@ class NNXAdapter:
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
     """``shards`` (``gather='layer'``, inside the step's ``shard_map``): each param
-    leaf's :class:`~jaxamp.train.gather.Shard`; ``params`` are then this device's slices,
+    leaf's :class:`~jaxamp.gather.Shard`; ``params`` are then this device's slices,
     and each sharded one is gathered where a module reads it."""
     del rng  # NNX models carry their RNG streams in model_state
 

@@ -25,9 +25,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxamp import gather
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import cast_floating
-from jaxamp.train import gather, layout
+from jaxamp.train import layout
 from jaxamp.train.gradients import loss_and_grads
 from jaxamp.train.loss import F32, combine_aux
 from jaxamp.train.plan import Plan

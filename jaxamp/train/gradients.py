@@ -19,7 +19,7 @@ from flax import nnx
 from jaxamp import fp8 as fp8_lib
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
-from jaxamp.train import gather as gather_lib
+from jaxamp import gather as gather_lib
 from jaxamp.rules import asks_for_fp8, leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level

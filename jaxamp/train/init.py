@@ -30,7 +30,7 @@ from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name
                           warn_unmatched_path_rules)
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
-from jaxamp.train.gather import Shard
+from jaxamp.gather import Shard
 from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of

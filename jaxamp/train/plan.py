@@ -23,7 +23,7 @@ from jaxamp import sharding as sharding_lib
 from jaxamp.policy import Policy
 from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
-from jaxamp.train import gather as gather_lib
+from jaxamp import gather as gather_lib
 from jaxamp.train.loss import check_signature
 
 STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
@@ -32,7 +32,7 @@ STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
 sum), the maximum or minimum (a running max), or any device's (all agree: a count of
 calls)."""
 
-__all__ = ["Options", "Plan", "STATE_REDUCTIONS", "level_rules", "rules_in_force", "autocast_under_level"]
+__all__ = ["Options", "OptionsView", "Plan", "STATE_REDUCTIONS", "level_rules", "rules_in_force", "autocast_under_level"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,33 @@ class Options:
     return self.eval_fn if self.eval_fn is not None else self.loss_fn
 
 
+def _option(name: str, doc: str) -> property:
+  return property(lambda self: getattr(self.options, name), doc=doc)
+
+
+class OptionsView:
+  """Read-through properties for a holder of ``options`` (:class:`Options`): what
+  :class:`~jaxamp.TrainStep` shows of ``make_train_step``'s arguments."""
+
+  options: Options
+
+  policy = _option("policy", "The model-level policy.")
+  loss_fn = _option("loss_fn", "The loss function.")
+  eval_fn = _option("evaluate", "The function eval_step runs (eval_fn, else loss_fn).")
+  has_aux = _option("has_aux", "Whether loss_fn returns (loss, aux).")
+  grad_accum_steps = _option("grad_accum_steps", "Micro-batches per step.")
+  mesh = _option("mesh", "The mesh, or None.")
+  batch_axis = _option("batch_axis", "The mesh axis (or axes) the batch is split over.")
+  param_sharding = _option("param_sharding", "How params are sharded, or None.")
+  donate = _option("donate", "Whether step donates its input state.")
+  grad_reduce_dtype = _option("grad_reduce_dtype", "Dtype of the cross-device reduction.")
+  float32_outputs = _option("float32_outputs", "Whether loss_fn sees float32 outputs.")
+  debug_nonfinite = _option("debug_nonfinite", "Whether metrics name non-finite grads.")
+  seed = _option("seed", "Seed of the state's PRNG key.")
+  level = _option("level", "The opt level, or None.")
+  skips_nonfinite = _option("skip_nonfinite", "Whether non-finite steps are skipped.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything the traced step reads: the options and what ``init`` found.
@@ -129,7 +156,7 @@ class Plan:
     gather_dtypes: with ``param_sharding``, the dtype each param leaf is gathered in
       (by ``gather='model'``, and by the eval step).
     shards: with ``param_sharding``, each param leaf's
-      :class:`~jaxamp.train.gather.Shard` (in ``jax.tree.leaves`` order).
+      :class:`~jaxamp.gather.Shard` (in ``jax.tree.leaves`` order).
     layer_gather: with ``param_sharding``, whether each parameter is gathered where a
       module reads it (``gather='layer'``) rather than all at the step's start.
     state_shardings: with ``param_sharding``, the sharding of each state leaf.

@@ -25,10 +25,11 @@ import optax
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import gather
 from jaxamp import loss_scale as _ls
 from jaxamp.casting import cast_floating, narrow_cotangents
 from jaxamp.rules import path_name
-from jaxamp.train import devices, gather, layout, update
+from jaxamp.train import devices, layout, update
 from jaxamp.train.loss import F32, call_user
 from jaxamp.train.plan import Plan, autocast_under_level, rules_in_force
 from jaxamp.train.state import TrainState

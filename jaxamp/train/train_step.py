@@ -17,23 +17,19 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import policy as policy_lib
-from jaxamp import sharding as sharding_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import init as init_lib
-from jaxamp.train import gather, layout
+from jaxamp.train import layout
+from jaxamp.train.programs import Programs
 from jaxamp.train import step as step_lib
-from jaxamp.train.monitor import SkipStreaks, deferred_full_collections
-from jaxamp.train.plan import Options, Plan
+from jaxamp.train.monitor import SkipStreaks
+from jaxamp.train.plan import Options, OptionsView, Plan
 from jaxamp.train.state import TrainState, abstract_state, mismatch
 
 __all__ = ["TrainStep", "make_train_step"]
 
 
-def _option(name: str, doc: str) -> property:
-  return property(lambda self: getattr(self.options, name), doc=doc)
-
-
-class TrainStep:
+class TrainStep(OptionsView):
   """A compiled mixed-precision train step; build it with :func:`make_train_step`.
 
   Attributes:
@@ -46,38 +42,23 @@ class TrainStep:
       like the params) once :meth:`init` has run; else None.
   """
 
-  policy = _option("policy", "The model-level policy.")
-  loss_fn = _option("loss_fn", "The loss function.")
-  eval_fn = _option("evaluate", "The function eval_step runs (eval_fn, else loss_fn).")
-  has_aux = _option("has_aux", "Whether loss_fn returns (loss, aux).")
-  grad_accum_steps = _option("grad_accum_steps", "Micro-batches per step.")
-  mesh = _option("mesh", "The mesh, or None.")
-  batch_axis = _option("batch_axis", "The mesh axis (or axes) the batch is split over.")
-  param_sharding = _option("param_sharding", "How params are sharded, or None.")
-  donate = _option("donate", "Whether step donates its input state.")
-  grad_reduce_dtype = _option("grad_reduce_dtype", "Dtype of the cross-device reduction.")
-  float32_outputs = _option("float32_outputs", "Whether loss_fn sees float32 outputs.")
-  debug_nonfinite = _option("debug_nonfinite", "Whether metrics name non-finite grads.")
-  seed = _option("seed", "Seed of the state's PRNG key.")
-  level = _option("level", "The opt level, or None.")
-  skips_nonfinite = _option("skip_nonfinite", "Whether non-finite steps are skipped.")
-
   def __init__(self, options: Options):
     self.options = options
-    self.plan: Plan | None = None
+    self._programs: Programs | None = None
     # Without skips skipped_steps never moves: nothing to watch on the step's hot path.
     self._streaks = (SkipStreaks(options.warn_skipped_steps)
                      if options.warn_skipped_steps is not None and options.skip_nonfinite
                      else None)
-    self._step_jit: Any = None
-    self._eval_jit: Any = None
-    self._eval_per_layer = False  # whether eval_step gathers each parameter where read
     # The skeleton of the state init made, the last state step returned (known good) and
     # the layout.signature of the states step returns (computed when first needed).
     self._expected: Any = None
     self._last_state: Any = None
     self._returned: Any = None
     self.trace_count = 0
+
+  @property
+  def plan(self) -> Plan | None:
+    return self._programs.plan if self._programs else None
 
   @property
   def master_weights(self) -> bool | None:
@@ -122,12 +103,18 @@ class TrainStep:
   def eval_step_fn(self) -> Callable[[TrainState, Any], Any]:
     """:meth:`eval_step` as a pure function ``(state, batch) -> result``."""
     return functools.partial(step_lib.eval_step, self._require_plan("eval_step_fn"),
-                             per_layer=self._eval_per_layer)
+                             per_layer=self._programs.eval_per_layer)
+
+  def _require_programs(self, what: str) -> Programs:
+    if self._programs is None:
+      raise RuntimeError(f"Call train.init(...) before train.{what}.")
+    return self._programs
 
   def _require_plan(self, what: str) -> Plan:
-    if self.plan is None:
-      raise RuntimeError(f"Call train.init(...) before train.{what}.")
-    return self.plan
+    return self._require_programs(what).plan
+
+  def _traced(self) -> None:
+    self.trace_count += 1
 
   # -- setup --
 
@@ -164,8 +151,7 @@ class TrainStep:
                                 **example_kwargs)
     if plan.sharded:
       plan = dataclasses.replace(plan, state_shardings=layout.state_shardings(plan, state))
-    self.plan = plan
-    self._compile()
+    self._programs = Programs(self.options, plan, self._traced)
     if plan.sharded:
       state = layout.place(state, plan.state_shardings)
     elif plan.mesh is not None:
@@ -192,52 +178,13 @@ class TrainStep:
                        "by this step's init (or restored into jaxamp.abstract_state of one); "
                        "a step re-initialised with another model runs only its new states.")
 
-  def _compile(self) -> None:
-    plan = self.plan
-    donate = (0,) if self.options.donate else ()
-    if plan.mesh is None:
-      self._step_jit = self._jit(plan.layer_gather)(self._step_impl, donate_argnums=donate)
-    else:
-      state, data = self._in_shardings()
-      self._step_jit = self._jit(plan.layer_gather)(
-          self._step_impl, donate_argnums=donate, in_shardings=(state, data),
-          out_shardings=(state, plan.replicated()))
-    self._compile_eval(plan.layer_gather)
-
-  def _compile_eval(self, per_layer: bool) -> None:
-    """The eval step's jit: gathering each sharded parameter where it is read
-    (``per_layer``), else the whole model at its start."""
-    self._eval_per_layer = per_layer
-    impl = functools.partial(step_lib.eval_step, self.plan, per_layer=per_layer)
-    in_shardings = {} if self.plan.mesh is None else {"in_shardings": self._in_shardings()}
-    self._eval_jit = self._jit(per_layer)(impl, **in_shardings)
-
-  def _jit(self, per_layer: bool) -> Callable[..., Any]:
-    """``jax.jit`` with the step's compiler options (and, ``per_layer``, the barriers
-    per-layer gathering needs kept)."""
-    options = self.options.compiler_options
-    if per_layer:
-      options = gather.compiler_options(options, self.plan.mesh)
-    return functools.partial(jax.jit, compiler_options=options)
-
-  def _in_shardings(self) -> tuple[Any, Any]:
-    plan = self.plan
-    return (plan.state_shardings if plan.sharded else plan.replicated(),
-            plan.batch_sharding())
-
-  def _step_impl(self, state: TrainState, batch: Any):
-    self.trace_count += 1  # runs only while tracing
-    with deferred_full_collections:
-      return step_lib.step(self.plan, state, batch)
-
   # -- public steps --
 
   def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     """One training step; compiled once per batch shape. Donates ``state`` by default."""
-    if self._step_jit is None:
-      raise RuntimeError("Call train.init(...) before train.step(...).")
+    programs = self._require_programs("step(...)")
     state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
-    new_state, metrics = self._made_again_if_needed(lambda: self._step_jit(state, batch))
+    new_state, metrics = programs.run_step(lambda: programs.step_jit(state, batch))
     if not isinstance(new_state.step, jax.core.Tracer):  # not called inside the user's jit
       self._last_state = new_state
     if self._streaks is not None:
@@ -290,10 +237,9 @@ class TrainStep:
     cotangents with a ``custom_vjp``); :meth:`lower` and :meth:`step` make the step again
     without them.
     """
-    if self._step_jit is None:
-      raise RuntimeError("Call train.init(...) before train.trace(...).")
+    programs = self._require_programs("trace(...)")
     state = self._accepted(state, place=False)
-    return self._made_again_if_needed(lambda: self._step_jit.trace(state, batch))
+    return programs.run_step(lambda: programs.step_jit.trace(state, batch))
 
   def lower(self, state: TrainState, batch: Any, *,
             platforms: Sequence[str] | None = None) -> Any:
@@ -312,40 +258,8 @@ class TrainStep:
       >>> 'bf16' in text and 'dot_general' in text
       True
     """
-    return self._made_again_if_needed(lambda: _lowered(self.trace(state, batch), platforms))
-
-  def _made_again_if_needed(self, run: Callable[[], Any]) -> Any:
-    """``run()``, and once more with the step made again where tracing or lowering it
-    found that the plan cannot serve this model and loss (nothing was donated then):
-
-    - ``loss_fn`` takes a forward-mode derivative (``jax.jvp``) with respect to the
-      parameters, which a recording read's ``custom_vjp`` cannot take: plain reads
-      (every gradient then crosses the skip in float32);
-    - under ``gather='auto'`` the model uses a parameter slice as an array rather than
-      reading it (:class:`~jaxamp.train.gather.RawSliceRead`: a Linen tied head reading
-      ``self.variables``): the whole model gathered at the step's start. Under
-      ``gather='layer'`` that is refused, naming the parameter.
-    """
-    while True:
-      try:
-        return run()
-      except TypeError as e:
-        if (not self.plan.narrow_reads
-            or "forward-mode autodiff (jvp) to a custom_vjp" not in str(e)):
-          raise
-        self.plan = dataclasses.replace(self.plan, narrow_reads=False)
-      except gather.RawSliceRead as e:
-        self._refuse_raw_read(e, self.plan.layer_gather)
-        self.plan = dataclasses.replace(self.plan, layer_gather=False)
-      self._compile()
-
-  def _refuse_raw_read(self, e: gather.RawSliceRead, per_layer: bool) -> None:
-    """Raises unless a raw read found while gathering per layer may fall back to the
-    whole model: ``gather='auto'``."""
-    if not per_layer:
-      raise e
-    if sharding_lib.gather_of(self.options.param_sharding) == "layer":
-      raise ValueError(str(e)) from None
+    programs = self._require_programs("lower(...)")
+    return programs.run_step(lambda: _lowered(self.trace(state, batch), platforms))
 
   def eval_step(self, state: TrainState, batch: Any) -> Any:
     """Runs ``eval_fn`` (default: the loss function) under the policy, in eval mode.
@@ -357,10 +271,9 @@ class TrainStep:
     replicated); sharded parameters are gathered as the step gathers them: each where a
     module reads it (``gather='layer'``), or the whole model at the start.
     """
-    if self._eval_jit is None:
-      raise RuntimeError("Call train.init(...) before train.eval_step(...).")
+    programs = self._require_programs("eval_step(...)")
     state, batch = self._accepted(state), layout.laid_out(self.plan, batch)
-    return self._eval_again_if_needed(lambda: self._eval_jit(state, batch))
+    return programs.run_eval(lambda: programs.eval_jit(state, batch))
 
   def lower_eval(self, state: TrainState, batch: Any, *,
                  platforms: Sequence[str] | None = None) -> Any:
@@ -375,21 +288,9 @@ class TrainStep:
       >>> 'dot_general' in train.lower_eval(state, jnp.ones((8, 4))).as_text()
       True
     """
-    if self._eval_jit is None:
-      raise RuntimeError("Call train.init(...) before train.lower_eval(...).")
+    programs = self._require_programs("lower_eval(...)")
     state = self._accepted(state, place=False)
-    return self._eval_again_if_needed(
-        lambda: _lowered(self._eval_jit.trace(state, batch), platforms))
-
-  def _eval_again_if_needed(self, run: Callable[[], Any]) -> Any:
-    """``run()``, and once more with the eval step gathering the whole model where
-    ``eval_fn`` used a parameter slice as an array (under ``gather='auto'``, as the step)."""
-    while True:
-      try:
-        return run()
-      except gather.RawSliceRead as e:
-        self._refuse_raw_read(e, self._eval_per_layer)
-        self._compile_eval(False)
+    return programs.run_eval(lambda: _lowered(programs.eval_jit.trace(state, batch), platforms))
 
   def model(self, state: TrainState, *, copy: bool | None = None) -> Any:
     """The model with the state's parameters: an NNX module, or ``(module, variables)``.

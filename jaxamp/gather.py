@@ -27,7 +27,7 @@ layout (the backward pass). Two places to do it:
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np
-  >>> from jaxamp.train.gather import Shard
+  >>> from jaxamp.gather import Shard
   >>> mesh = jax.make_mesh((1,), ('fsdp',))
   >>> shard = Shard.of(jax.P(None, None, 'fsdp'), (24, 8, 512), mesh, ('fsdp',), jnp.float32)
   >>> shard.spec, shard.of_slice((8, 512)).spec  # one layer of 24 stacked ones

@@ -1,0 +1,128 @@
+"""The jitted step and eval step of one plan, and making them again when tracing finds
+that the plan cannot serve the model.
+
+:class:`TrainStep` holds one :class:`Programs` per ``init``. Tracing a step can show that
+the plan ``init`` made does not fit what ``loss_fn`` does with the model (nothing was
+donated then); :meth:`Programs.run_step` then changes the plan and compiles again:
+
+- ``loss_fn`` takes a forward-mode derivative (``jax.jvp``) with respect to the
+  parameters, which a recording read's ``custom_vjp`` cannot take: plain reads (every
+  gradient then crosses the skip in float32);
+- under ``gather='auto'`` the model uses a parameter slice as an array rather than
+  reading it (:class:`~jaxamp.gather.RawSliceRead`: a Linen tied head reading
+  ``self.variables``): the whole model gathered at the step's start. Under
+  ``gather='layer'`` that is refused, naming the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxamp import gather
+from jaxamp import sharding as sharding_lib
+from jaxamp.train import step as step_lib
+from jaxamp.train.monitor import deferred_full_collections
+from jaxamp.train.plan import Options, Plan
+from jaxamp.train.state import TrainState
+
+__all__ = ["Programs"]
+
+# JAX's words when a forward-mode derivative meets a custom_vjp (a recording read).
+_JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp"
+
+
+class Programs:
+  """The jitted ``step`` and ``eval_step`` for ``plan`` (``plan`` changes when a
+  program is made again; read it from here).
+
+  Args:
+    options: ``make_train_step``'s checked arguments.
+    plan: what ``init`` learnt.
+    on_trace: called each time ``step`` is traced.
+  """
+
+  def __init__(self, options: Options, plan: Plan, on_trace: Callable[[], None]):
+    self.options = options
+    self.plan = plan
+    self._on_trace = on_trace
+    self.step_jit: Any = None
+    self.eval_jit: Any = None
+    self.eval_per_layer = False  # whether eval_step gathers each parameter where read
+    self._compile()
+
+  def _compile(self) -> None:
+    plan = self.plan
+    donate = (0,) if self.options.donate else ()
+    if plan.mesh is None:
+      self.step_jit = self._jit(plan.layer_gather)(self._step_impl, donate_argnums=donate)
+    else:
+      state, data = self._in_shardings()
+      self.step_jit = self._jit(plan.layer_gather)(
+          self._step_impl, donate_argnums=donate, in_shardings=(state, data),
+          out_shardings=(state, plan.replicated()))
+    self._compile_eval(plan.layer_gather)
+
+  def _compile_eval(self, per_layer: bool) -> None:
+    """The eval step's jit: gathering each sharded parameter where it is read
+    (``per_layer``), else the whole model at its start."""
+    self.eval_per_layer = per_layer
+    impl = functools.partial(step_lib.eval_step, self.plan, per_layer=per_layer)
+    in_shardings = {} if self.plan.mesh is None else {"in_shardings": self._in_shardings()}
+    self.eval_jit = self._jit(per_layer)(impl, **in_shardings)
+
+  def _jit(self, per_layer: bool) -> Callable[..., Any]:
+    """``jax.jit`` with the step's compiler options (and, ``per_layer``, the barriers
+    per-layer gathering needs kept)."""
+    options = self.options.compiler_options
+    if per_layer:
+      options = gather.compiler_options(options, self.plan.mesh)
+    return functools.partial(jax.jit, compiler_options=options)
+
+  def _in_shardings(self) -> tuple[Any, Any]:
+    plan = self.plan
+    return (plan.state_shardings if plan.sharded else plan.replicated(),
+            plan.batch_sharding())
+
+  def _step_impl(self, state: TrainState, batch: Any):
+    self._on_trace()  # runs only while tracing
+    with deferred_full_collections:
+      return step_lib.step(self.plan, state, batch)
+
+  def run_step(self, run: Callable[[], Any]) -> Any:
+    """``run()`` (which uses :attr:`step_jit`), and once more with the step made again
+    where tracing or lowering it found that the plan cannot serve this model and loss."""
+    while True:
+      try:
+        return run()
+      except TypeError as e:
+        if not self.plan.narrow_reads or _JVP_OF_CUSTOM_VJP not in str(e):
+          raise
+        self.plan = dataclasses.replace(self.plan, narrow_reads=False)
+      except gather.RawSliceRead as e:
+        self._refuse_raw_read(e, self.plan.layer_gather)
+        self.plan = dataclasses.replace(self.plan, layer_gather=False)
+      self._compile()
+
+  def run_eval(self, run: Callable[[], Any]) -> Any:
+    """``run()`` (which uses :attr:`eval_jit`), and once more with the eval step
+    gathering the whole model where ``eval_fn`` used a parameter slice as an array
+    (under ``gather='auto'``, as the step)."""
+    while True:
+      try:
+        return run()
+      except gather.RawSliceRead as e:
+        self._refuse_raw_read(e, self.eval_per_layer)
+        self._compile_eval(False)
+
+  def _refuse_raw_read(self, e: gather.RawSliceRead, per_layer: bool) -> None:
+    """Raises unless a raw read found while gathering per layer may fall back to the
+    whole model: ``gather='auto'``."""
+    if not per_layer:
+      raise e
+    if sharding_lib.gather_of(self.options.param_sharding) == "layer":
+      raise ValueError(str(e)) from None
