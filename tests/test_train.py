@@ -531,6 +531,52 @@ def test_grad_accumulation_needs_divisible_batch():
     train.step(state, make_batches(1)[0])
 
 
+def passenger_batch():
+  """A batch of 8 rows carrying what the step must pass through untouched: a typed PRNG
+  key per row (Equinox dropout keys), a raw uint32 key, an int row index, a bool flag."""
+  return {"x": make_batches(1, size=8)[0]["x"], "key": jax.random.split(jax.random.key(7), 8),
+          "raw": jax.random.split(jax.random.PRNGKey(3), 8),
+          "n": np.arange(8, dtype=np.int32), "flag": np.arange(8) % 2 == 0}
+
+
+def passenger_loss(seen):
+  """A loss drawing noise from the first row's typed key, recording the batch's dtypes (as
+  traced) in ``seen`` and, in its aux, whether any row arrived changed (``bad``, or-ed
+  over micro-batches) and the row indices' sum."""
+  want = passenger_batch()
+  table, raw = jax.random.key_data(want["key"]), jnp.asarray(want["raw"])
+
+  def loss(model, batch):
+    seen.append({name: x.dtype for name, x in batch.items()})
+    n = batch["n"]
+    bad = (jnp.any(jax.random.key_data(batch["key"]) != table[n])
+           | jnp.any(batch["raw"] != raw[n]) | jnp.any(batch["flag"] != (n % 2 == 0)))
+    noise = jax.random.normal(batch["key"][0], batch["x"].shape)  # as the issue's loss
+    return xent(model(batch["x"] + 0.1 * noise), n % 4), {"bad": bad, "n_sum": jnp.sum(n)}
+
+  return loss
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", half_residuals=False),
+    dict(policy="mixed_bfloat16", grad_accum_steps=2)], ids=str)
+def test_keys_ints_and_bools_in_the_batch_reach_loss_fn_unchanged(kw):
+  """A typed PRNG key in the batch crashed the default mixed step (the half_residuals
+  policy asked NumPy whether key<fry> is floating); keys, raw uint32 keys, ints and
+  bools reach loss_fn with their dtypes and values on the step (micro-batches split
+  row-wise) and eval_step."""
+  seen = []
+  train = jaxamp.make_train_step(passenger_loss(seen), optax.sgd(0.1), has_aux=True, **kw)
+  state = init(train, "nnx", batchnorm=False)
+  state, metrics = train.step(state, passenger_batch())
+  _, aux = train.eval_step(state, passenger_batch())
+  assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 0
+  for got in (metrics, aux):
+    assert not bool(got["bad"]) and int(got["n_sum"]) == 28  # every row, once, unchanged
+  want = {name: x.dtype for name, x in passenger_batch().items()}
+  assert seen and all(s == want for s in seen), seen
+
+
 def test_compiles_once_and_donates_buffers():
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
   state = init(train, "nnx")
