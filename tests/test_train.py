@@ -527,8 +527,33 @@ def test_the_loss_reaches_reduce_on_plateau_as_optax_value():
 def test_grad_accumulation_needs_divisible_batch():
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=3)
   state = init(train, "nnx", batchnorm=False)
-  with pytest.raises(ValueError, match="grad_accum_steps=3 must divide the batch size 16"):
+  with pytest.raises(ValueError, match=r"grad_accum_steps=3 must divide the batch size 16 "
+                                       r"of batch\['x'\] \(shape \[16, 8\]"):
     train.step(state, make_batches(1)[0])
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4)
+  state = init(train, "nnx", batchnorm=False)
+  with pytest.raises(ValueError, match=r"batch size 6 of batch\['mask'\].*multiple of 4"):
+    train.step(state, {**make_batches(1)[0], "mask": np.ones(6, bool)})
+
+
+def test_grad_accumulation_gives_every_micro_batch_the_0d_leaves_unchanged():
+  """A 0-d leaf of the batch (a weight, a temperature, a step count) raised IndexError
+  under grad_accum_steps=2; it goes to every micro-batch as it is, the rest split."""
+  seen = []
+
+  def weighted(model, batch):
+    seen.append({name: (jnp.shape(x), x.dtype) for name, x in batch.items()})
+    return xent(model(batch["x"]), batch["y"]) * batch["w"], {"w": batch["w"],
+                                                              "t": batch["t"]}
+
+  train = jaxamp.make_train_step(weighted, optax.sgd(0.1), policy="float32", has_aux=True,
+                                 grad_accum_steps=2)
+  batch = {**make_batches(1)[0], "w": np.float32(0.5), "t": np.int32(3)}
+  _, metrics = train.step(init(train, "nnx", batchnorm=False), batch)
+  # aux over micro-batches: floats averaged (0.5 if each got 0.5), ints summed (2 x 3)
+  assert (float(metrics["w"]), int(metrics["t"])) == (0.5, 6)
+  assert seen == [{"x": ((8, 8), np.float32), "y": ((8,), np.int32), "w": ((), np.float32),
+                   "t": ((), np.int32)}]
 
 
 def passenger_batch():

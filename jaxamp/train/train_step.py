@@ -454,10 +454,15 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       scale updates once per step and the whole step is skipped if any micro-batch
       overflows. Each micro-batch's loss is scaled by the loss scale over
       ``grad_accum_steps`` (its float16 gradients are as large as without accumulation).
+      Each batch leaf of one dimension or more is split along its first (which
+      ``grad_accum_steps`` must divide; a leaf it does not is refused, named); 0-d
+      leaves go to every micro-batch unchanged.
       The aux of the micro-batches (and, with a mesh, of the devices) is combined into
       the whole batch's: floating values averaged, integers summed (counts), booleans
       or-ed (flags).
     mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
+      Every batch leaf is split over ``batch_axis`` along its first dimension (a 0-d
+      leaf is refused).
     batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
       their product, e.g. ``('data', 'fsdp')``).
     donate: donate the input state's buffers to the step.
