@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,67 @@ def test_linen_dropout_draws_a_new_mask_each_step_from_a_base_key_that_stays():
   first = losses()
   assert len(set(first)) == 3  # three steps, three masks
   assert losses() == first  # the same keys again from the same state
+
+
+class DropPath(nn.Module):
+  """Stochastic depth as Hugging Face's BEiT draws it: elements of a branch dropped with
+  keys from a ``'droppath'`` stream; hands each mask it draws to ``record`` (a host
+  callback)."""
+  record: Any
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    h = nn.Dense(8)(x)
+    if train:
+      keep = jax.random.bernoulli(self.make_rng("droppath"), 0.5, h.shape)
+      jax.debug.callback(lambda m: self.record(np.asarray(m)), keep)
+      h = jnp.where(keep, h, 0.0)
+    return nn.Dense(4)(h)
+
+
+def test_linen_streams_other_than_dropout_are_drawn_per_step_and_micro_batch():
+  """A Linen module drawing from a stream other than 'dropout' (BEiT's 'droppath') could
+  not be trained. Named in rng_streams, it gets keys derived from the state as the
+  dropout key is: the same from the same state, new each step and each micro-batch."""
+  masks = []
+  module, x = DropPath(masks.append), make_batches(1, size=16)[0]["x"]
+  variables = module.init(jax.random.key(0), x, train=False)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.0),
+                                 policy="float32", grad_accum_steps=2, donate=False,
+                                 rng_streams=("dropout", "droppath"))
+  state = train.init(module, variables, x, train=False)
+
+  def drawn(state):
+    masks.clear()
+    new, metrics = train.step(state, x)
+    jax.effects_barrier()
+    assert bool(metrics["grads_finite"]) and len(masks) == 2, len(masks)  # 2 micro-batches
+    return new, [m.copy() for m in masks]
+
+  next_state, first = drawn(state)
+  assert not np.array_equal(*first)  # each micro-batch its own key
+  np.testing.assert_array_equal(drawn(state)[1], first)  # the same from the same state
+  later = drawn(next_state)[1]
+  assert not any(np.array_equal(a, b) for a in later for b in first)  # a new step: new
+  assert np.isfinite(float(train.eval_step(state, x)))
+
+
+def test_a_linen_stream_not_given_is_named_with_the_fix_and_init_rngs_name_streams():
+  module, x = DropPath(print), jnp.zeros((4, 8))
+  variables = module.init(jax.random.key(0), x, train=False)
+  loss = lambda m, b: jnp.mean(m(b) ** 2)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.1))
+  state = train.init(module, variables, x, train=False)
+  with pytest.raises(ValueError, match=r"stream 'droppath'.*rng_streams=\('dropout', "
+                                       r"'droppath'\)"):
+    train.trace(state, x)
+  # Streams named in init's rngs= (but 'params') are given too.
+  state = train.init(module, variables, x, train=True, rngs={
+      "params": jax.random.key(0), "droppath": jax.random.key(1)})
+  assert train.plan.adapter.rng_streams == ("dropout", "droppath")
+  train.trace(state, x)
+  with pytest.raises(ValueError, match="rng_streams must be a tuple of Linen RNG stream"):
+    jaxamp.make_train_step(loss, optax.sgd(0.1), rng_streams="droppath")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
