@@ -155,7 +155,8 @@ class TrainStep:
       variables: the Linen variables (``module.init(...)``'s result).
       *example_args: Linen only: the module's example arguments.
       **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
-        ``init`` needs more than a ``'params'`` key).
+        ``init`` needs more than a ``'params'`` key; the step then gives the module the
+        streams named there besides ``rng_streams``).
 
     Returns:
       The train state (replicated over the mesh, if any).
