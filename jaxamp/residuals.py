@@ -67,7 +67,8 @@ _REMAT = frozenset({"remat2", "checkpoint", "remat"})  # jax.checkpoint's primit
 
 
 def _wide_dtype(dtype: Any) -> bool:
-  return (dtype is not None and np.issubdtype(dtype, np.floating)
+  # jax.dtypes.issubdtype knows extended dtypes (typed PRNG keys), which NumPy refuses.
+  return (dtype is not None and jax.dtypes.issubdtype(dtype, np.floating)
           and np.dtype(dtype).itemsize >= 4)
 
 

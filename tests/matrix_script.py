@@ -1,9 +1,9 @@
 """The differential matrix, run by tests/test_matrix.py in one process of 8 CPU devices.
 
 Each row of a pairwise covering array over (model, layout, policy, accumulation, model
-state, fault) trains 3 steps on a mesh of data=4 x model=2 and on one device with the
-same global batch (its micro-batches holding the same rows as the mesh's), and reports
-how the two differ. Prints one ``ROW <json>`` line per row.
+state, fault, half_residuals, batch) trains 3 steps on a mesh of data=4 x model=2 and on
+one device with the same global batch (its micro-batches holding the same rows as the
+mesh's), and reports how the two differ. Prints one ``ROW <json>`` line per row.
 """
 
 import itertools
@@ -31,6 +31,9 @@ FACTORS = {
     "state": ["none", "batchnorm", "counters"],
     "fault": ["none", "inf on one device"],
     "residuals": ["half", "plain"],  # make_train_step's half_residuals on (default), off
+    # "typed key": the batch also holds two typed PRNG keys per row (Equinox users'
+    # dropout keys), and the loss adds noise drawn from each row's first.
+    "batch": ["arrays", "typed key"],
 }
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
@@ -143,15 +146,21 @@ def equinox_net(state):
 
 
 def loss_fn(model, batch):
-  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  x = batch["x"]
+  if "key" in batch:  # each row's noise from its own key: the same on every layout
+    x = x + 0.1 * jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(batch["key"][:, 0])
+  return jnp.mean((model(x) - batch["y"]) ** 2)
 
 
-def batches(fault):
+def batches(fault, kind="arrays"):
   rng = np.random.RandomState(0)
   out = [{"x": rng.randn(BATCH, 16).astype(np.float32),
           "y": rng.randn(BATCH, 8).astype(np.float32)} for _ in range(STEPS)]
   if fault != "none":
     out[1]["x"][0, 0] = np.inf  # row 0: the first data device's
+  if kind == "typed key":
+    for i, b in enumerate(out):
+      b["key"] = jax.random.split(jax.random.key(i), (BATCH, 2))
   return out
 
 
@@ -218,7 +227,7 @@ def run(row, mesh):
   except ValueError as e:
     raise Refused(str(e)) from e
   records, skips_exact = [], True
-  for b in batches(row["fault"]):
+  for b in batches(row["fault"], row["batch"]):
     if mesh is None:
       b = micro_ordered(b, row["accum"])
     before = [np.asarray(p) for p in jax.tree.leaves(state.params)]
@@ -255,7 +264,8 @@ def largest(a_tree, b_tree, relative=False):
 
 
 def compare(row, mesh, references):
-  key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals"))
+  key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals",
+                               "batch"))
   try:
     if key not in references:
       references[key] = run(row, None)

@@ -125,6 +125,14 @@ def users_case():
 moved['device_put -> replicated'] = attempt(users_case)
 out['moved'] = moved
 
+
+def scalar_case():  # a 0-d leaf cannot be split over the batch axes: refused, named
+  train, state = fresh(**kinds['replicated'])
+  return train.step(state, {**batches[0], 'w': np.float32(0.5)})
+
+
+out['scalar'] = attempt(scalar_case)
+
 # One compile: host batches then committed ones, and a host copy of the state.
 traces = {}
 for name in ('replicated', 'fsdp'):
@@ -346,3 +354,11 @@ def test_a_sharded_layout_trains_as_one_device(differences, layout):
   device after 3 steps: its gradient was sliced over both axes but summed over one."""
   got = differences["layouts"][layout]
   assert isinstance(got, float) and got < 1e-5, got
+
+
+def test_a_0d_batch_leaf_under_a_mesh_is_refused_naming_it_and_the_fix(differences):
+  """A 0-d batch leaf under a mesh failed inside jax.jit (a batch sharding of rank 1
+  applied to a scalar, whose message suggested a PartitionSpec the user does not
+  control); it is refused naming the leaf and what to pass instead."""
+  got = differences["scalar"]
+  assert got.startswith("ValueError: batch['w'] is 0-d") and "jnp.full" in got, got

@@ -1,6 +1,6 @@
 """The differential matrix: model (NNX, Linen, Equinox) x sharded layout x policy x
-accumulation x model state x fault x half_residuals (on, off), against one device on the
-same global batch.
+accumulation x model state x fault x half_residuals (on, off) x batch (arrays, with typed
+PRNG keys), against one device on the same global batch.
 
 ``tests/matrix_script.py`` runs a pairwise covering array of the factors (every pair of
 two factors' values in some row) in one subprocess of 8 CPU devices, each row on

@@ -219,3 +219,14 @@ class _LinenNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(8)(nn.LayerNorm()(nn.Dense(8)(x)))
+
+
+def test_a_typed_key_argument_passes_through():
+  """A typed PRNG key among the arguments: the policy asked NumPy whether ``key<fry>``
+  was floating, and raised TypeError."""
+  def noisy(w, key):
+    return jnp.sum((w.astype(BF16) * jax.random.normal(key[0], (4,), BF16)).astype(F32) ** 2)
+
+  w, keys = jnp.ones(4), jax.random.split(jax.random.key(0), 2)
+  np.testing.assert_array_equal(jax.grad(half_residuals(noisy))(w, keys),
+                                jax.grad(noisy)(w, keys))

@@ -485,3 +485,31 @@ def test_gpt2_skip_nonfinite_false_applies_the_step_the_default_skips(gpt2_varia
     else:
       assert conds == 0 and int(metrics["skipped_steps"]) == 0
       assert not all(np.isfinite(a).all() for a in after)  # applied, as optax would
+
+
+def test_beit_with_stochastic_depth_traces_with_its_droppath_stream():
+  """Hugging Face's Flax BEiT draws stochastic depth from a 'droppath' RNG stream, which
+  the step did not give (only 'dropout'): it could not be trained. Named in rng_streams,
+  its step traces; left out, the error names the stream and the option. (Two layers: the
+  rates rise linearly from 0 at the first.)"""
+  beit = pytest.importorskip("transformers.models.beit.modeling_flax_beit")
+  config = transformers.BeitConfig(image_size=8, patch_size=4, hidden_size=16,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=32, drop_path_rate=0.5, num_labels=3)
+  module = beit.FlaxBeitForImageClassificationModule(config)
+  batch = {"x": jax.ShapeDtypeStruct((4, 8, 8, 3), jnp.float32),
+           "y": jax.ShapeDtypeStruct((4,), jnp.int32)}
+  variables = jax.eval_shape(lambda x: module.init(jax.random.key(0), x), batch["x"])
+
+  def loss(model, b):
+    return xent(model(b["x"], deterministic=False).logits, b["y"])
+
+  for streams in [("dropout",), ("dropout", "droppath")]:
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_bfloat16",
+                                   rng_streams=streams)
+    state = jax.eval_shape(lambda v: train.init(module, v), variables)
+    if streams == ("dropout",):
+      with pytest.raises(ValueError, match=r"'droppath'.*rng_streams=\('dropout', 'droppath'\)"):
+        train.trace(state, batch)
+    else:
+      assert "random_bits" in str(train.trace(state, batch).jaxpr)

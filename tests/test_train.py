@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,67 @@ def test_linen_dropout_draws_a_new_mask_each_step_from_a_base_key_that_stays():
   first = losses()
   assert len(set(first)) == 3  # three steps, three masks
   assert losses() == first  # the same keys again from the same state
+
+
+class DropPath(nn.Module):
+  """Stochastic depth as Hugging Face's BEiT draws it: elements of a branch dropped with
+  keys from a ``'droppath'`` stream; hands each mask it draws to ``record`` (a host
+  callback)."""
+  record: Any
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    h = nn.Dense(8)(x)
+    if train:
+      keep = jax.random.bernoulli(self.make_rng("droppath"), 0.5, h.shape)
+      jax.debug.callback(lambda m: self.record(np.asarray(m)), keep)
+      h = jnp.where(keep, h, 0.0)
+    return nn.Dense(4)(h)
+
+
+def test_linen_streams_other_than_dropout_are_drawn_per_step_and_micro_batch():
+  """A Linen module drawing from a stream other than 'dropout' (BEiT's 'droppath') could
+  not be trained. Named in rng_streams, it gets keys derived from the state as the
+  dropout key is: the same from the same state, new each step and each micro-batch."""
+  masks = []
+  module, x = DropPath(masks.append), make_batches(1, size=16)[0]["x"]
+  variables = module.init(jax.random.key(0), x, train=False)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.0),
+                                 policy="float32", grad_accum_steps=2, donate=False,
+                                 rng_streams=("dropout", "droppath"))
+  state = train.init(module, variables, x, train=False)
+
+  def drawn(state):
+    masks.clear()
+    new, metrics = train.step(state, x)
+    jax.effects_barrier()
+    assert bool(metrics["grads_finite"]) and len(masks) == 2, len(masks)  # 2 micro-batches
+    return new, [m.copy() for m in masks]
+
+  next_state, first = drawn(state)
+  assert not np.array_equal(*first)  # each micro-batch its own key
+  np.testing.assert_array_equal(drawn(state)[1], first)  # the same from the same state
+  later = drawn(next_state)[1]
+  assert not any(np.array_equal(a, b) for a in later for b in first)  # a new step: new
+  assert np.isfinite(float(train.eval_step(state, x)))
+
+
+def test_a_linen_stream_not_given_is_named_with_the_fix_and_init_rngs_name_streams():
+  module, x = DropPath(print), jnp.zeros((4, 8))
+  variables = module.init(jax.random.key(0), x, train=False)
+  loss = lambda m, b: jnp.mean(m(b) ** 2)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.1))
+  state = train.init(module, variables, x, train=False)
+  with pytest.raises(ValueError, match=r"stream 'droppath'.*rng_streams=\('dropout', "
+                                       r"'droppath'\)"):
+    train.trace(state, x)
+  # Streams named in init's rngs= (but 'params') are given too.
+  state = train.init(module, variables, x, train=True, rngs={
+      "params": jax.random.key(0), "droppath": jax.random.key(1)})
+  assert train.plan.adapter.rng_streams == ("dropout", "droppath")
+  train.trace(state, x)
+  with pytest.raises(ValueError, match="rng_streams must be a tuple of Linen RNG stream"):
+    jaxamp.make_train_step(loss, optax.sgd(0.1), rng_streams="droppath")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
@@ -527,8 +589,79 @@ def test_the_loss_reaches_reduce_on_plateau_as_optax_value():
 def test_grad_accumulation_needs_divisible_batch():
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=3)
   state = init(train, "nnx", batchnorm=False)
-  with pytest.raises(ValueError, match="grad_accum_steps=3 must divide the batch size 16"):
+  with pytest.raises(ValueError, match=r"grad_accum_steps=3 must divide the batch size 16 "
+                                       r"of batch\['x'\] \(shape \[16, 8\]"):
     train.step(state, make_batches(1)[0])
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4)
+  state = init(train, "nnx", batchnorm=False)
+  with pytest.raises(ValueError, match=r"batch size 6 of batch\['mask'\].*multiple of 4"):
+    train.step(state, {**make_batches(1)[0], "mask": np.ones(6, bool)})
+
+
+def test_grad_accumulation_gives_every_micro_batch_the_0d_leaves_unchanged():
+  """A 0-d leaf of the batch (a weight, a temperature, a step count) raised IndexError
+  under grad_accum_steps=2; it goes to every micro-batch as it is, the rest split."""
+  seen = []
+
+  def weighted(model, batch):
+    seen.append({name: (jnp.shape(x), x.dtype) for name, x in batch.items()})
+    return xent(model(batch["x"]), batch["y"]) * batch["w"], {"w": batch["w"],
+                                                              "t": batch["t"]}
+
+  train = jaxamp.make_train_step(weighted, optax.sgd(0.1), policy="float32", has_aux=True,
+                                 grad_accum_steps=2)
+  batch = {**make_batches(1)[0], "w": np.float32(0.5), "t": np.int32(3)}
+  _, metrics = train.step(init(train, "nnx", batchnorm=False), batch)
+  # aux over micro-batches: floats averaged (0.5 if each got 0.5), ints summed (2 x 3)
+  assert (float(metrics["w"]), int(metrics["t"])) == (0.5, 6)
+  assert seen == [{"x": ((8, 8), np.float32), "y": ((8,), np.int32), "w": ((), np.float32),
+                   "t": ((), np.int32)}]
+
+
+def passenger_batch():
+  """A batch of 8 rows carrying what the step must pass through untouched: a typed PRNG
+  key per row (Equinox dropout keys), a raw uint32 key, an int row index, a bool flag."""
+  return {"x": make_batches(1, size=8)[0]["x"], "key": jax.random.split(jax.random.key(7), 8),
+          "raw": jax.random.split(jax.random.PRNGKey(3), 8),
+          "n": np.arange(8, dtype=np.int32), "flag": np.arange(8) % 2 == 0}
+
+
+def passenger_loss(seen):
+  """A loss drawing noise from the first row's typed key, recording the batch's dtypes (as
+  traced) in ``seen`` and, in its aux, whether any row arrived changed (``bad``, or-ed
+  over micro-batches) and the row indices' sum."""
+  want = passenger_batch()
+  table, raw = jax.random.key_data(want["key"]), jnp.asarray(want["raw"])
+
+  def loss(model, batch):
+    seen.append({name: x.dtype for name, x in batch.items()})
+    n = batch["n"]
+    bad = (jnp.any(jax.random.key_data(batch["key"]) != table[n])
+           | jnp.any(batch["raw"] != raw[n]) | jnp.any(batch["flag"] != (n % 2 == 0)))
+    noise = jax.random.normal(batch["key"][0], batch["x"].shape)  # as the issue's loss
+    return xent(model(batch["x"] + 0.1 * noise), n % 4), {"bad": bad, "n_sum": jnp.sum(n)}
+
+  return loss
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", half_residuals=False),
+    dict(policy="mixed_bfloat16", grad_accum_steps=2)], ids=str)
+def test_keys_ints_and_bools_in_the_batch_reach_loss_fn_unchanged(kw):
+  """A typed PRNG key in the batch crashed the default mixed step (the half_residuals
+  policy asked NumPy whether key<fry> is floating); keys, raw uint32 keys, ints and
+  bools reach loss_fn with their dtypes and values on the step (micro-batches split
+  row-wise) and eval_step."""
+  seen = []
+  train = jaxamp.make_train_step(passenger_loss(seen), optax.sgd(0.1), has_aux=True, **kw)
+  state = init(train, "nnx", batchnorm=False)
+  state, metrics = train.step(state, passenger_batch())
+  _, aux = train.eval_step(state, passenger_batch())
+  assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 0
+  for got in (metrics, aux):
+    assert not bool(got["bad"]) and int(got["n_sum"]) == 28  # every row, once, unchanged
+  want = {name: x.dtype for name, x in passenger_batch().items()}
+  assert seen and all(s == want for s in seen), seen
 
 
 def test_compiles_once_and_donates_buffers():

@@ -2,7 +2,7 @@
 
 An adapter is what the train step knows of a model library. It has
 
-- ``uses_rng``: whether the step's key feeds the model (Linen's ``'dropout'`` stream);
+- ``uses_rng``: whether the step's key feeds the model (Linen's RNG streams);
 - ``bind(params, model_state, rng, policy, *, train, float32_outputs)`` -> ``(model,
   new_state)``: the model ``loss_fn`` receives, running under its policies, and a
   function returning its model state after the calls made so far;
@@ -15,8 +15,11 @@ finds its parameters, model state and per-module policies.
 from __future__ import annotations
 
 import dataclasses
+import re
+import zlib
 from typing import Any
 
+import flax
 import jax
 from flax import nnx
 
@@ -113,7 +116,8 @@ class LinenAdapter:
 
   module: Any
   recompute_norms: bool = False
-  uses_rng = True  # the step key feeds Linen's 'dropout' stream
+  rng_streams: tuple[str, ...] = ("dropout",)  # the RNG streams each apply gets
+  uses_rng = True  # the step key feeds Linen's RNG streams
   _wrapped: Any = None
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
@@ -134,20 +138,45 @@ class LinenAdapter:
     mutable = list(model_state) if train else False
 
     def apply(*args: Any, **kwargs: Any) -> Any:
-      rngs = {"dropout": jax.random.fold_in(rng, cell["calls"])}
+      rngs = stream_keys(jax.random.fold_in(rng, cell["calls"]), self.rng_streams)
       cell["calls"] += 1
       variables = {"params": params, **cell["state"]}
-      if mutable:
-        out, new_state = wrapped.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
-        cell["state"] = dict(new_state)
-      else:
-        out = wrapped.apply(variables, *args, rngs=rngs, **kwargs)
+      try:
+        if mutable:
+          out, new_state = wrapped.apply(variables, *args, rngs=rngs, mutable=mutable,
+                                         **kwargs)
+          cell["state"] = dict(new_state)
+        else:
+          out = wrapped.apply(variables, *args, rngs=rngs, **kwargs)
+      except flax.errors.InvalidRngError as e:
+        raise _missing_stream(e, self.rng_streams) from None
       return cast_floating(out, F32) if float32_outputs else out
 
     return apply, lambda: cell["state"]
 
   def model(self, state: TrainState) -> tuple[Any, dict[str, Any]]:
     return self.module, {"params": state.params, **state.model_state}
+
+
+def _missing_stream(e: Exception, streams: tuple[str, ...]) -> ValueError:
+  """A module drew from a stream the step does not give: the error naming it and the fix."""
+  found = re.search(r'needs PRNG for "([^"]+)"', str(e))
+  name = found.group(1) if found else "<stream>"
+  return ValueError(
+      f"The Linen module draws from the RNG stream {name!r} (self.make_rng), but the train "
+      f"step gives it only {streams}. Name every stream it draws from: "
+      f"make_train_step(..., rng_streams={(*streams, name)!r}), or pass them in init's "
+      f"rngs=. (Flax: {str(e).split(' (https')[0]})")
+
+
+def stream_keys(key: jax.Array, streams: tuple[str, ...]) -> dict[str, jax.Array]:
+  """The key of each Linen RNG stream for one ``apply``: ``'dropout'``'s is ``key``
+  itself (what it was before other streams were given), any other's ``key`` folded with
+  a hash of its name, so streams draw independently and each keeps its keys whatever
+  the others are."""
+  return {name: key if name == "dropout"
+          else jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+          for name in streams}
 
 
 @dataclasses.dataclass

@@ -139,29 +139,55 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   """``grad_fn`` over the batch's ``grad_accum_steps`` micro-batches in a ``lax.scan``,
   the gradients summed in float32, the model and FP8 state threaded through."""
   k = plan.options.grad_accum_steps
-
-  def split(x):
-    if x.shape[0] % k:
-      raise ValueError(f"grad_accum_steps={k} must divide the batch size {x.shape[0]} "
-                       "(per device, with a mesh).")
-    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
-
-  micro = jax.tree.map(split, batch)
+  split, rebuild = _micro_batches(batch, k)
   acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
 
   def body(carry, xs):
     acc, ms, f8 = carry
     mb, i = xs
+    mb = rebuild(mb)
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
     g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
     acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
     return (acc, ms, f8), (loss, aux)
 
   (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
-      body, (acc0, model_state, fp8), (micro, jnp.arange(k)))
+      body, (acc0, model_state, fp8), (split, jnp.arange(k)))
   # Accumulated in float32. Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
   grads = jax.tree.map(lambda a, p: a.astype(
       F32 if plan.master_weights or keep_float32 else p.dtype), acc, params)
   return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8
+
+
+def _micro_batches(batch: Any, k: int) -> tuple[list[jax.Array], Callable[[list[Any]], Any]]:
+  """``batch``'s leaves of one dimension or more, each split into ``k`` micro-batches
+  along its leading dimension (stacked: ``[k, rows / k, ...]``, what ``lax.scan`` takes),
+  and a function putting one micro-batch's leaves back into a batch. 0-d leaves (a
+  weight, a temperature) are not split: every micro-batch gets them unchanged.
+
+  Raises:
+    ValueError: a leaf's leading dimension is not divisible by ``k``, naming the leaf.
+  """
+  found, treedef = jax.tree_util.tree_flatten_with_path(batch)
+  leaves = [x for _, x in found]
+  rows = [i for i, x in enumerate(leaves) if jnp.ndim(x)]
+  for i in rows:
+    n = jnp.shape(leaves[i])[0]
+    if n % k:
+      raise ValueError(
+          f"grad_accum_steps={k} must divide the batch size {n} of "
+          f"batch{jax.tree_util.keystr(found[i][0])} (shape {list(jnp.shape(leaves[i]))}; "
+          "per device, with a mesh): each leaf of one dimension or more is split into "
+          f"{k} micro-batches along its first. Give it a multiple of {k} rows, or pass a "
+          "value every micro-batch shares as a 0-d array.")
+
+  def rebuild(micro: list[Any]) -> Any:
+    full = list(leaves)
+    for i, x in zip(rows, micro):
+      full[i] = x
+    return treedef.unflatten(full)
+
+  split = [leaves[i].reshape(k, leaves[i].shape[0] // k, *leaves[i].shape[1:]) for i in rows]
+  return split, rebuild

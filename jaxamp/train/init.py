@@ -95,8 +95,16 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
                      "train.init(module, variables, *example_args) finds the Dense "
                      "layers that keep FP8 state from them.")
   model_state = {k: v for k, v in variables.items() if k != "params"}
-  return _Split(LinenAdapter(model, recompute), variables["params"], model_state, rows,
-                fp8_rows, {})
+  return _Split(LinenAdapter(model, recompute, _rng_streams(options, example_kwargs)),
+                variables["params"], model_state, rows, fp8_rows, {})
+
+
+def _rng_streams(options: Options, example_kwargs: Mapping[str, Any]) -> tuple[str, ...]:
+  """The Linen RNG streams the step gives the module: ``rng_streams``, and those named
+  in ``init``'s ``rngs=`` but ``'params'``."""
+  rngs = example_kwargs.get("rngs")
+  named = [n for n in rngs if n != "params"] if isinstance(rngs, Mapping) else []
+  return tuple(dict.fromkeys([*options.rng_streams, *named]))
 
 
 def _is_pytree_model(model: Any, variables: Any) -> bool:

@@ -144,9 +144,21 @@ def laid_out(plan: Plan, batch: Any) -> Any:
   """With a mesh, ``batch`` on the step's batch sharding: host arrays and arrays
   committed to another layout (one device, replicated, split on another axis) are
   moved, which the compiled step would otherwise refuse or compile again for; arrays
-  already so laid out pass untouched. Without a mesh, ``batch`` as it is."""
+  already so laid out pass untouched. Without a mesh, ``batch`` as it is.
+
+  A 0-d leaf is refused under a mesh, naming it: the step splits every batch leaf over
+  the batch axes along its first dimension."""
   if plan.mesh is None:
     return batch
+  scalars = [jax.tree_util.keystr(path) for path, x in
+             jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x) == 0]
+  if scalars:
+    names = ", ".join(f"batch{s}" for s in scalars[:4])
+    raise ValueError(
+        f"{names} {'is' if len(scalars) == 1 else 'are'} 0-d, but under a mesh the step "
+        f"splits every batch leaf over the batch axes {plan.options.batch_axes} along its "
+        "first dimension. Give each one value per example (jnp.full((batch_size,), "
+        "value)), or close over it in loss_fn.")
   data = plan.batch_sharding()
 
   def one(x: Any) -> Any:

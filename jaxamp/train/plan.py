@@ -61,6 +61,7 @@ class Options:
   skip_nonfinite: bool = True
   model_state_reduction: Mapping[str, str] | None = None
   compiler_options: Mapping[str, Any] | None = None
+  rng_streams: tuple[str, ...] = ("dropout",)
 
   def __post_init__(self):
     if self.grad_accum_steps < 1:
@@ -86,6 +87,12 @@ class Options:
             f"model_state_reduction maps a model-state path pattern (a str, '*' matches "
             f"within a path) to one of {', '.join(map(repr, STATE_REDUCTIONS))}; got "
             f"{pattern!r}: {kind!r}.")
+    streams = self.rng_streams
+    if (isinstance(streams, str) or not isinstance(streams, (tuple, list))
+        or not all(isinstance(n, str) and n for n in streams)):
+      raise ValueError(f"rng_streams must be a tuple of Linen RNG stream names, e.g. "
+                       f"('dropout', 'droppath'); got {streams!r}.")
+    object.__setattr__(self, "rng_streams", tuple(dict.fromkeys(streams)))
     check_signature(self.loss_fn, "loss_fn")
     if self.eval_fn is not None:
       check_signature(self.eval_fn, "eval_fn")

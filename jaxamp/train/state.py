@@ -28,7 +28,8 @@ class TrainState(NamedTuple):
       counters do not advance on skipped steps).
     model_state: non-trainable state: BatchNorm statistics, NNX RNG streams (as a
       nested dict of arrays for NNX models), other Linen collections.
-    rng: the base PRNG key of Linen's ``'dropout'`` stream: a step draws from
+    rng: the base PRNG key of Linen's RNG streams (``'dropout'``, and those named in
+      ``make_train_step(..., rng_streams=...)``): a step draws from
       ``jax.random.fold_in(rng, n)``, ``n`` the number of steps applied before it
       (skipped ones excluded), so the key itself never changes and a model that draws
       none costs no key work. None for NNX models (they carry their RNG streams in

@@ -142,7 +142,8 @@ class TrainStep(OptionsView):
       variables: the Linen variables (``module.init(...)``'s result).
       *example_args: Linen only: the module's example arguments.
       **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
-        ``init`` needs more than a ``'params'`` key).
+        ``init`` needs more than a ``'params'`` key; the step then gives the module the
+        streams named there besides ``rng_streams``).
 
     Returns:
       The train state (replicated over the mesh, if any).
@@ -336,15 +337,17 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     warn_skipped_steps: int | None = 100,
                     skip_nonfinite: bool = True,
                     model_state_reduction: Mapping[str, str] | None = None,
-                    compiler_options: Mapping[str, Any] | None = None) -> TrainStep:
+                    compiler_options: Mapping[str, Any] | None = None,
+                    rng_streams: Sequence[str] = ("dropout",)) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
   Args:
     loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
       ``model`` runs under its per-module policies: the policy-wrapped NNX module, or for
       Linen a callable ``model(*args, **kw)`` applying the module (BatchNorm statistics
-      and the ``'dropout'`` RNG are handled for you). Its floating outputs arrive in
-      float32 unless ``float32_outputs=False``; the loss is computed and reported in float32.
+      and the RNG streams of ``rng_streams`` are handled for you). Its floating outputs
+      arrive in float32 unless ``float32_outputs=False``; the loss is computed and
+      reported in float32.
     optimizer: an optax transformation. A loss-scale element in it (e.g.
       ``optax.chain(jaxamp.dynamic_loss_scale(), optax.adamw(3e-4))``) is used; without
       one, ``jaxamp.loss_scale_for(policy)`` is put first (dynamic for float16 compute).
@@ -355,10 +358,15 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       scale updates once per step and the whole step is skipped if any micro-batch
       overflows. Each micro-batch's loss is scaled by the loss scale over
       ``grad_accum_steps`` (its float16 gradients are as large as without accumulation).
+      Each batch leaf of one dimension or more is split along its first (which
+      ``grad_accum_steps`` must divide; a leaf it does not is refused, named); 0-d
+      leaves go to every micro-batch unchanged.
       The aux of the micro-batches (and, with a mesh, of the devices) is combined into
       the whole batch's: floating values averaged, integers summed (counts), booleans
       or-ed (flags).
     mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
+      Every batch leaf is split over ``batch_axis`` along its first dimension (a 0-d
+      leaf is refused).
     batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
       their product, e.g. ``('data', 'fsdp')``).
     donate: donate the input state's buffers to the step.
@@ -371,7 +379,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
       whether its gradient had an inf/NaN, to find the layer that overflowed.
     eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
-    seed: seed of the state's PRNG key (Linen dropout).
+    seed: seed of the state's PRNG key (Linen's RNG streams).
     opt_level: an Apex-style level, ``'O0'``–``'O3'`` or a :class:`jaxamp.OptLevel`
       (see :func:`jaxamp.opt_level`); it sets the policy, the loss scale inserted when
       ``optimizer`` has none, master weights (unless given), whether norms stay float32,
@@ -416,6 +424,13 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       ``jax.jit(..., compiler_options=...)`` takes them (e.g.
       ``{'xla_gpu_enable_latency_hiding_scheduler': True}``); they override
       ``XLA_FLAGS`` for these programs only.
+    rng_streams: the Linen RNG streams the step gives the module (``self.make_rng(name)``):
+      ``'dropout'`` by default; add the others a model draws from, e.g.
+      ``('dropout', 'droppath')`` for stochastic depth (Hugging Face BEiT). Streams named
+      in ``init``'s ``rngs=`` (other than ``'params'``) are added. Each stream's key is
+      derived from the state's key, the steps applied, the micro-batch and the device, so
+      every step, micro-batch and device draws anew, and a state resumes with the same
+      keys.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
@@ -444,4 +459,5 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       seed=seed, level=level, recompute_norms=recompute_norms,
       half_residuals=half_residuals, param_sharding=param_sharding,
       warn_skipped_steps=warn_skipped_steps, skip_nonfinite=skip_nonfinite,
-      model_state_reduction=model_state_reduction, compiler_options=compiler_options))
+      model_state_reduction=model_state_reduction, compiler_options=compiler_options,
+      rng_streams=rng_streams))
