@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp.casting import real_or_complex
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
 from jaxamp.train import gather as gather_lib
@@ -147,14 +148,15 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
   micro = jax.tree.map(split, batch)
-  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+  # float32 sums; a complex parameter's in complex64 (its imaginary part kept).
+  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, real_or_complex(p.dtype, F32)), params)
 
   def body(carry, xs):
     acc, ms, f8 = carry
     mb, i = xs
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
     g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
-    acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
+    acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
     return (acc, ms, f8), (loss, aux)
 
   (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
@@ -162,6 +164,6 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   # Accumulated in float32. Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
-  grads = jax.tree.map(lambda a, p: a.astype(
-      F32 if plan.master_weights or keep_float32 else p.dtype), acc, params)
+  grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32
+                       else a.astype(p.dtype), acc, params)
   return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8
