@@ -75,8 +75,17 @@ def _wide(aval: Any) -> bool:
   return _wide_dtype(getattr(aval, "dtype", None))
 
 
+_complex: dict[Any, bool] = {}
+
+
 def _complex_dtype(dtype: Any) -> bool:
-  return dtype is not None and np.issubdtype(dtype, np.complexfloating)
+  """Whether ``dtype`` is complex (jnp's test: PRNG key dtypes are no NumPy dtype)."""
+  if dtype is None:
+    return False
+  found = _complex.get(dtype)
+  if found is None:
+    found = _complex[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.complexfloating))
+  return found
 
 
 # Primitives that make complex values from real operands.
