@@ -9,11 +9,11 @@ compiled kernel, so the second norm lengthens compiling too (``benchmarks/compil
 
 :func:`clip_by_global_norm` clips exactly as optax's does (the update is left alone while
 its norm is below ``max_norm``, else scaled by ``max_norm / norm``; a complex leaf counts
-both parts, as in ``optax.global_norm``). Inside a train step
-it takes the step's norm, and only when the updates it receives are the very arrays the
-step took the norm of (checked by identity while tracing: an element before it that
-changes the updates, e.g. ``optax.scale``, makes it compute its own). Anywhere else it
-computes its own, in float32.
+both parts, as in ``optax.tree.norm``). Inside a train step it takes the step's norm, and
+only when the updates it receives are the very arrays the step took the norm of (checked
+by identity while tracing: an element before it that changes the updates, e.g.
+``optax.scale``, makes it compute its own). Anywhere else it computes its own, in
+float32.
 
 Example:
   >>> import jax.numpy as jnp, optax, jaxamp

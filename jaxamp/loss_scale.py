@@ -168,7 +168,7 @@ def _reduce_all(x: jax.Array) -> jax.Array:
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
   """``sum(|x| ** 2)`` in float32, in lax primitives (a complex element counts both
-  parts, as ``optax.global_norm`` does)."""
+  parts, as ``optax.tree.norm`` does)."""
   if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
     return jax.lax.add(_sum_of_squares(jax.lax.real(x)), _sum_of_squares(jax.lax.imag(x)))
   if x.dtype != jnp.float32:

@@ -180,9 +180,9 @@ def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
 
 def reduced(g: jax.Array, shard: Shard) -> jax.Array:
   """Inside shard_map: a full local gradient cast to ``reduce_dtype`` (a complex one to
-  the complex dtype holding it), summed over the
-  batch axes and scattered to the slice's layout (each device's loss was weighted by one
-  over the number of devices, so the sum is the mean)."""
+  the complex dtype holding it), summed over the batch axes and scattered to the slice's
+  layout (each device's loss was weighted by one over the number of devices, so the sum
+  is the mean)."""
   sizes = dict(shard.sizes)
   axes = shard.batch_axes
   g = g.astype(real_or_complex(g.dtype, shard.reduce_dtype))
