@@ -136,8 +136,10 @@ def test_grad_accum_steps_2_gives_a_complex_parameter_the_one_batch_gradient():
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_a_nan_only_in_an_imaginary_part_skips_the_step(policy):
   """It was not detected: the step was applied and the parameter became NaN."""
-  before, after, metrics = first_step(policy, poison=1.0)
+  before, after, metrics = first_step(policy, poison=1.0, debug_nonfinite=True)
   assert not bool(metrics["grads_finite"])
+  assert {k: bool(v) for k, v in metrics["nonfinite_grads"].items()} == {
+      "lam": True, "w/bias": False, "w/kernel": False}
   assert int(metrics["skipped_steps"]) == 1
   for name in before:  # bit-identical
     for x, y in zip(jax.tree.leaves(before[name]), jax.tree.leaves(after[name])):
