@@ -3,7 +3,11 @@
 Only arrays (``jax.Array``, ``numpy.ndarray``, tracers) and ``jax.ShapeDtypeStruct``
 leaves with a floating dtype are cast. Integers, booleans, PRNG keys (typed or raw
 ``uint32``), ``None``, Python scalars and any other leaf pass through untouched, so
-token ids, masks and random keys survive a policy unchanged.
+token ids, masks and random keys survive a policy unchanged. Complex leaves pass through
+too: no complex half-precision dtype exists, and a cast to a real one would drop the
+imaginary part. What the train step does to every gradient (unscaling, the finiteness
+check, the norm, sums over micro-batches and devices) it does to complex ones as well:
+:func:`is_inexact_array` says which leaves, :func:`real_or_complex` in which dtype.
 
 Example:
   >>> import jax.numpy as jnp
@@ -25,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_floating", "is_floating_array", "is_floating_dtype", "read_as",
-           "narrow_cotangents", "overflowed_casts"]
+__all__ = ["cast_floating", "is_floating_array", "is_floating_dtype", "is_inexact_array",
+           "read_as", "real_or_complex", "narrow_cotangents", "overflowed_casts"]
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -49,6 +53,45 @@ def is_floating_array(x: Any) -> bool:
   if not isinstance(x, _ARRAY_TYPES):
     return False
   return _floating_dtype(x.dtype)
+
+
+_inexact: dict[Any, bool] = {}
+
+
+def is_inexact_array(x: Any) -> bool:
+  """Whether ``x`` is an array (or shape struct) of a floating or complex dtype: a leaf
+  that has a gradient, which loss scaling, finiteness checks and norms must cover.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import is_floating_array, is_inexact_array
+    >>> z = jnp.ones(2, jnp.complex64)
+    >>> is_inexact_array(z), is_floating_array(z), is_inexact_array(jnp.arange(2))
+    (True, False, False)
+  """
+  if not isinstance(x, _ARRAY_TYPES):
+    return False
+  found = _inexact.get(x.dtype)
+  if found is None:
+    found = _inexact[x.dtype] = bool(jnp.issubdtype(x.dtype, jnp.inexact))
+  return found
+
+
+def real_or_complex(dtype: Any, target: Any) -> np.dtype:
+  """The dtype a value of ``dtype`` takes where a real ``target`` is asked for (a sum in
+  float32, a reduction in bfloat16): ``target``, but for a complex ``dtype`` the
+  narrowest complex dtype holding both (``complex64`` for float32, bfloat16 and float16,
+  none of which has a complex counterpart), so the imaginary part is never dropped.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import real_or_complex
+    >>> real_or_complex(jnp.float16, jnp.float32), real_or_complex(jnp.complex64, jnp.bfloat16)
+    (dtype('float32'), dtype('complex64'))
+  """
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return np.dtype(jnp.promote_types(dtype, target))
+  return np.dtype(target)
 
 
 def is_floating_dtype(dtype: Any) -> bool:

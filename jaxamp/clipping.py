@@ -8,11 +8,12 @@ more read of every gradient per step. On XLA:CPU each of those reductions is als
 compiled kernel, so the second norm lengthens compiling too (``benchmarks/compile``).
 
 :func:`clip_by_global_norm` clips exactly as optax's does (the update is left alone while
-its norm is below ``max_norm``, else scaled by ``max_norm / norm``). Inside a train step
-it takes the step's norm, and only when the updates it receives are the very arrays the
-step took the norm of (checked by identity while tracing: an element before it that
-changes the updates, e.g. ``optax.scale``, makes it compute its own). Anywhere else it
-computes its own, in float32.
+its norm is below ``max_norm``, else scaled by ``max_norm / norm``; a complex leaf counts
+both parts, as in ``optax.tree.norm``). Inside a train step it takes the step's norm, and
+only when the updates it receives are the very arrays the step took the norm of (checked
+by identity while tracing: an element before it that changes the updates, e.g.
+``optax.scale``, makes it compute its own). Anywhere else it computes its own, in
+float32.
 
 Example:
   >>> import jax.numpy as jnp, optax, jaxamp
@@ -33,7 +34,7 @@ import numpy as np
 import optax
 
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import is_floating_array
+from jaxamp.casting import is_inexact_array
 
 __all__ = ["GLOBAL_NORM", "KnownNorm", "clip_by_global_norm"]
 
@@ -108,7 +109,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     trigger = norm < max_norm
 
     def clip(t: Any) -> Any:
-      if not is_floating_array(t):
+      if not is_inexact_array(t):  # complex leaves are clipped too
         return t
       return jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
 

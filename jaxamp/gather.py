@@ -50,7 +50,7 @@ from flax import struct
 from flax.core import meta as flax_meta
 
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import is_floating_array
+from jaxamp.casting import is_floating_array, real_or_complex
 from jaxamp.residuals import gathers
 from jaxamp.rules import path_name
 
@@ -179,12 +179,13 @@ def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
 
 
 def reduced(g: jax.Array, shard: Shard) -> jax.Array:
-  """Inside shard_map: a full local gradient cast to ``reduce_dtype``, summed over the
-  batch axes and scattered to the slice's layout (each device's loss was weighted by one
-  over the number of devices, so the sum is the mean)."""
+  """Inside shard_map: a full local gradient cast to ``reduce_dtype`` (a complex one to
+  the complex dtype holding it), summed over the batch axes and scattered to the slice's
+  layout (each device's loss was weighted by one over the number of devices, so the sum
+  is the mean)."""
   sizes = dict(shard.sizes)
   axes = shard.batch_axes
-  g = g.astype(shard.reduce_dtype)
+  g = g.astype(real_or_complex(g.dtype, shard.reduce_dtype))
   summed: tuple[str, ...] = ()
   for d, names in enumerate(shard.spec):
     # An entry's axes split the dimension major to minor; each run of batch axes is

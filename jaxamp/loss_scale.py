@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp.casting import is_floating_array
+from jaxamp.casting import is_inexact_array
 from jaxamp.policy import PolicyLike, get_policy
 
 __all__ = [
@@ -130,9 +130,10 @@ def _check_scale(name: str, value: Any) -> float:
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every floating array leaf of ``tree`` is finite.
+  """Whether every element of every floating or complex array leaf of ``tree`` is finite.
 
-  Integer, boolean and other leaves count as finite; an empty tree is finite.
+  A complex element is finite when its real and imaginary parts both are. Integer,
+  boolean and other leaves count as finite; an empty tree is finite.
 
   Args:
     tree: a pytree.
@@ -149,9 +150,16 @@ def all_finite(tree: Any) -> jax.Array:
   """
   # lax, not jnp: one primitive per operation (jnp wraps each in its own jit), which
   # keeps the train step's trace short; the answer is the same.
-  checks = [_reduce_all(jax.lax.is_finite(x)) for x in jax.tree.leaves(tree)
-            if is_floating_array(x)]
+  checks = [_reduce_all(_is_finite(x)) for x in jax.tree.leaves(tree) if is_inexact_array(x)]
   return functools.reduce(jax.lax.bitwise_and, checks) if checks else jnp.asarray(True)
+
+
+def _is_finite(x: jax.Array) -> jax.Array:
+  """Elementwise ``jnp.isfinite``: both parts of a complex element finite."""
+  if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
+    return jax.lax.bitwise_and(jax.lax.is_finite(jax.lax.real(x)),
+                               jax.lax.is_finite(jax.lax.imag(x)))
+  return jax.lax.is_finite(x)
 
 
 def _reduce_all(x: jax.Array) -> jax.Array:
@@ -159,7 +167,10 @@ def _reduce_all(x: jax.Array) -> jax.Array:
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
-  """``sum(x ** 2)`` in float32, in lax primitives."""
+  """``sum(|x| ** 2)`` in float32, in lax primitives (a complex element counts both
+  parts, as ``optax.tree.norm`` does)."""
+  if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
+    return jax.lax.add(_sum_of_squares(jax.lax.real(x)), _sum_of_squares(jax.lax.imag(x)))
   if x.dtype != jnp.float32:
     x = jax.lax.convert_element_type(x, jnp.float32)
   square = jax.lax.square(x)
@@ -199,11 +210,13 @@ GRADS_UNSCALED = "jaxamp_grads_unscaled"
 
 
 def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
-  if not is_floating_array(g):
+  if not is_inexact_array(g):
     return g
-  # In float32 (float64 stays float64): a scale above 65504 is inf in float16.
+  # In float32 (float64 stays float64, complex64 complex64): a scale above 65504 is inf
+  # in float16. Divided by the real scale, a complex gradient keeps its dtype.
   wide = jnp.promote_types(g.dtype, jnp.float32)
-  return (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
+  real = jnp.finfo(wide).dtype if wide.kind == "c" else wide
+  return (g.astype(wide) / scale.astype(real)).astype(g.dtype)
 
 
 def unscale(grads: Any, scale: jax.Array) -> Any:
@@ -234,7 +247,7 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
     False
   """
   unscaled = grads if scale is None else unscale(grads, scale)
-  leaves = [x for x in jax.tree.leaves(unscaled) if is_floating_array(x)]
+  leaves = [x for x in jax.tree.leaves(unscaled) if is_inexact_array(x)]
   total = functools.reduce(jax.lax.add, map(_sum_of_squares, leaves), np.float32(0))
   # The verdict is read off the norm, not the sum: the same answer (a sum of squares is
   # finite exactly when its root is), and the sum then has one consumer, so XLA fuses
@@ -370,7 +383,8 @@ def dynamic_loss_scale(initial_scale: float = 2.0**15,
 
   Put it first in an ``optax.chain`` and compute gradients of
   ``scale_loss(loss, opt_state)``. Each update divides the gradients by the scale
-  (in float32, cast back to each leaf's dtype; non-floating leaves pass through).
+  (in float32, cast back to each leaf's dtype; complex leaves are divided too, other
+  non-floating leaves pass through).
   If any element is inf or NaN every numeric update leaf is zeros, the scale becomes ``max(scale * backoff_factor, min_scale)``
   and ``growth_count`` resets; otherwise ``growth_count`` grows, and on reaching
   ``growth_interval`` the scale becomes ``min(scale * growth_factor, max_scale)``

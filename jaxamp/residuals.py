@@ -76,15 +76,44 @@ def _wide(aval: Any) -> bool:
   return _wide_dtype(getattr(aval, "dtype", None))
 
 
+_complex: dict[Any, bool] = {}
+
+
+def _complex_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is complex (jnp's test: PRNG key dtypes are no NumPy dtype)."""
+  if dtype is None:
+    return False
+  found = _complex.get(dtype)
+  if found is None:
+    found = _complex[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.complexfloating))
+  return found
+
+
+# Primitives that make complex values from real operands.
+_MAKE_COMPLEX = frozenset({"complex", "fft"})
+
+
+def _makes_complex(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> bool:
+  """Whether ``prim`` may output a complex value (any complex operand counts: ``real``
+  of one is cheap to recompute). ``jax.checkpoint`` cannot save such a value: it rounds
+  each saved residual with ``reduce_precision``, which takes real dtypes only (a
+  TypeError in jax 0.10), so the policies here recompute it."""
+  if prim.name == "convert_element_type":
+    return _complex_dtype(params.get("new_dtype"))
+  return prim.name in _MAKE_COMPLEX or any(_complex_dtype(getattr(a, "dtype", None))
+                                           for a in avals)
+
+
 def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
   """A ``jax.checkpoint`` policy: whether reverse mode may save ``prim``'s outputs.
 
   Not saved (recomputed in the backward pass): dtype casts (but for a float16 value's
   upcast to float32, saved: recomputing those slows XLA:CPU's compile several-fold),
   and elementwise or layout operations (or ``custom_jvp`` functions without a matmul:
-  ``relu``, ``gelu``) with a float32 (or wider) operand. Saved: everything else, so matmuls,
-  convolutions, reductions (a norm's statistics) and half-precision elementwise
-  results.
+  ``relu``, ``gelu``) with a float32 (or wider) operand, and anything with a complex
+  operand or result (``jax.checkpoint`` cannot save complex values). Saved: everything
+  else, so matmuls, convolutions, reductions (a norm's statistics) and half-precision
+  elementwise results.
 
   Args:
     prim: the primitive.
@@ -97,6 +126,8 @@ def save_half_and_statistics(prim: Any, *avals: Any, **params: Any) -> bool:
     through (its inputs are: per-layer FSDP ties each layer's parameter slices to its
     inputs with one, and saving its outputs would keep a copy of every slice).
   """
+  if _makes_complex(prim, avals, params):
+    return False
   if prim.name == "convert_element_type":
     # A float16 value's float32 upcast is saved: recomputed, it made XLA:CPU's compile
     # of a 48-layer float16 LM 6x slower (101 s against 17 s); bfloat16's is recomputed.
@@ -127,9 +158,9 @@ def gathers(prim: Any, params: dict[str, Any]) -> bool:
 def save_all_but_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
   """A ``jax.checkpoint`` policy saving everything but parameters all-gathered where they
   are read (:func:`gathers`) and what optimization barriers pass through: the
-  full-precision step's policy under per-layer FSDP."""
-  del avals
-  return not _regathered(prim, params)
+  full-precision step's policy under per-layer FSDP. Complex values are recomputed
+  (:func:`_makes_complex`)."""
+  return not (_regathered(prim, params) or _makes_complex(prim, avals, params))
 
 
 def _multiplies(jaxpr: Any) -> bool:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxamp import gather
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import cast_floating
+from jaxamp.casting import cast_floating, real_or_complex
 from jaxamp.train import layout
 from jaxamp.train.gradients import loss_and_grads
 from jaxamp.train.loss import F32, combine_aux
@@ -63,7 +63,8 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
     changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
         plan, params, keys, batch, rng, scale / n, fp8, fp8_axes=axes, changed=changed)
-    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(dt), axes).astype(g.dtype), grads)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(real_or_complex(g.dtype, dt)), axes)
+                         .astype(g.dtype), grads)
     return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
                             model_state, changed), new_fp8)
 
@@ -78,7 +79,8 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
-  out_dtypes = [F32 if plan.master_weights else p.dtype for p in jax.tree.leaves(state.params)]
+  out_dtypes = [real_or_complex(p.dtype, F32) if plan.master_weights else p.dtype
+                for p in jax.tree.leaves(state.params)]
 
   def local(params, model_state, batch, rng, scale, fp8):
     rng, keys = _per_device_keys(rng, model_state, axes)

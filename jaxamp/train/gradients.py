@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp import gather as gather_lib
+from jaxamp.casting import real_or_complex
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
-from jaxamp import gather as gather_lib
 from jaxamp.rules import asks_for_fp8, leaf_name
 from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
@@ -140,7 +141,8 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   the gradients summed in float32, the model and FP8 state threaded through."""
   k = plan.options.grad_accum_steps
   split, rebuild = _micro_batches(batch, k)
-  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+  # float32 sums; a complex parameter's in complex64 (its imaginary part kept).
+  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, real_or_complex(p.dtype, F32)), params)
 
   def body(carry, xs):
     acc, ms, f8 = carry
@@ -148,7 +150,7 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
     mb = rebuild(mb)
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
     g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
-    acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
+    acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
     return (acc, ms, f8), (loss, aux)
 
   (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
@@ -156,8 +158,8 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   # Accumulated in float32. Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
-  grads = jax.tree.map(lambda a, p: a.astype(
-      F32 if plan.master_weights or keep_float32 else p.dtype), acc, params)
+  grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32
+                       else a.astype(p.dtype), acc, params)
   return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8
 
 
