@@ -132,7 +132,8 @@ class TrainStep:
   # -- setup --
 
   def init(self, model: Any, variables: Mapping[str, Any] | None = None,
-           *example_args: Any, **example_kwargs: Any) -> TrainState:
+           *example_args: Any, donate_model: bool = False,
+           **example_kwargs: Any) -> TrainState:
     """Builds the first :class:`TrainState`.
 
     Each parameter is stored in the param dtype of the module that owns it (its resolved
@@ -144,10 +145,17 @@ class TrainStep:
     dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
     is unwrapped: the train step applies its own policy.
 
-    The state holds the model's own arrays where no cast was needed, and ``step``
-    donates its input state (``donate=True``): the first step consumes them, so use
-    :meth:`model` afterwards, or pass a copy to keep the original. An NNX model trains in
-    the mode it has now (call ``model.train()`` first if it was set to ``.eval()``).
+    ``step`` donates its input state (``donate=True``), so the state gets buffers of
+    its own: a copy of each array the model (or ``variables``) holds and the state would
+    store as it is (one copy of those parameters' and model state's bytes, kept for as
+    long as you keep the model; parameters the policy casts are new arrays already), and
+    of each array the state would hold twice (two ``nnx.Param`` made from one array, an
+    optimizer state holding the parameters themselves), which XLA cannot donate twice.
+    The model stays usable and unchanged; :meth:`model` gives the trained one.
+    ``donate_model=True`` skips the first copy: the state takes the model's own arrays and
+    the first step consumes them (the model then raises "Array has been deleted"). An
+    NNX model trains in the mode it has now (call ``model.train()`` first if it was set
+    to ``.eval()``).
 
     Args:
       model: an NNX module, a Linen module (then pass ``variables``), or an Equinox
@@ -156,6 +164,8 @@ class TrainStep:
       *example_args: Linen only: the module's example arguments.
       **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
         ``init`` needs more than a ``'params'`` key).
+      donate_model: let the state take the model's own arrays, with no copy (the first
+        donating step then deletes them). Default False: copies, the model stays usable.
 
     Returns:
       The train state (replicated over the mesh, if any).
@@ -170,6 +180,9 @@ class TrainStep:
       state = layout.place(state, plan.state_shardings)
     elif plan.mesh is not None:
       state = jax.device_put(state, plan.replicated())
+    kept = (init_lib.arrays_held(model, variables)
+            if self.options.donate and not donate_model else [])
+    state = init_lib.donatable(state, kept)
     self._expected = abstract_state(state)
     self._last_state = self._returned = None  # states made before this init are checked
     return state
