@@ -1,5 +1,6 @@
 """Tests for jaxamp.train: exact skips, accumulation, data parallel, resume, no retracing."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -1310,7 +1311,8 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite)
   bf16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
                                 donate=False, skip_nonfinite=skip_nonfinite)
   init(bf16, "nnx", batchnorm=False)
-  resumed, metrics = bf16.step(state, batch)
+  with pytest.warns(RuntimeWarning, match="starts fresh at 1"):  # the scale bf16 uses
+    resumed, metrics = bf16.step(state, batch)
   # Reference: the same state with the scale a bfloat16 run would have had (1).
   one = jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, jaxamp.LossScaleState))
   one = one._replace(opt_state=jax.tree.map(
@@ -1320,6 +1322,45 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite)
   expected, _ = bf16.step(one, batch)
   assert_trees_equal(resumed.params, expected.params)  # not 32768x the update
   assert float(metrics["loss_scale"]) == 1.0  # the bfloat16 step's own rule from here on
+
+
+RESUME_POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8"]
+
+
+def test_a_state_resumed_under_another_policy_gets_the_loss_scale_and_fp8_state_it_needs():
+  """Each of 16 pairs: a state trained one step under policy A, stepped under B. Under a
+  float16 B the dynamic scale starts fresh at 32768 unless A was float16 too (then it is
+  kept); other policies' steps get their scale of 1; FP8 state is made fresh or dropped.
+  Each change warns; the steps are reused across pairs (one compile per policy)."""
+  batch = {"x": np.linspace(-1, 1, 8 * 2, dtype=np.float32).reshape(2, 8),
+           "y": np.array([0, 3], np.int32)}
+  model = lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  trains = {p: jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=p)
+            for p in RESUME_POLICIES}
+  trained = {}
+  for p, train in trains.items():
+    trained[p], _ = train.step(train.init(model()), batch)
+  scale_of = lambda s: optax.tree_utils.tree_get(s.opt_state, "LossScaleState")
+  for a, b in itertools.product(RESUME_POLICIES, RESUME_POLICIES):
+    restored = jax.tree.map(jnp.copy, trained[a])  # as a checkpoint would give it back
+    before = jax.device_get(scale_of(restored))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      state, _ = trains[b].step(restored, batch)
+    after = scale_of(state)
+    scales = b == "mixed_float16"
+    fresh = scales != (a == "mixed_float16")  # the scale A left cannot serve B
+    want_scale = float(before.scale) if not fresh else 2.0**15 if scales else 1.0
+    want_count = 1 if fresh else int(before.growth_count) + 1
+    assert (float(after.scale), int(after.growth_count), int(after.overflow_steps)) == (
+        want_scale, want_count, int(before.overflow_steps)), (a, b)
+    assert (state.fp8 is not None) == (b == "mixed_fp8"), (a, b)
+    messages = [str(w.message) for w in caught if "jaxamp: this state" in str(w.message)]
+    assert len(messages) == fresh + ((a == "mixed_fp8") != (b == "mixed_fp8")), (a, b, messages)
+    if fresh:
+      assert f"policy {b!r}" in messages[-1] and ("fresh at 32768" if scales else
+                                                 "fresh at 1") in messages[-1], messages
+  assert all(t.trace_count == 1 for t in trains.values())
 
 
 @pytest.mark.parametrize("master_weights", [True, False])

@@ -20,7 +20,7 @@ from jaxamp import policy as policy_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import init as init_lib
-from jaxamp.train import gather, layout
+from jaxamp.train import gather, layout, resume
 from jaxamp.train import step as step_lib
 from jaxamp.train.monitor import SkipStreaks, deferred_full_collections
 from jaxamp.train.plan import Options, Plan
@@ -77,6 +77,7 @@ class TrainStep:
     self._expected: Any = None
     self._last_state: Any = None
     self._returned: Any = None
+    self._fresh: resume.Fresh | None = None  # init's loss-scale and FP8 state, on the host
     self.trace_count = 0
 
   @property
@@ -183,6 +184,7 @@ class TrainStep:
     kept = (init_lib.arrays_held(model, variables)
             if self.options.donate and not donate_model else [])
     state = init_lib.donatable(state, kept)
+    self._fresh = resume.fresh_of(plan, state)
     self._expected = abstract_state(state)
     self._last_state = self._returned = None  # states made before this init are checked
     return state
@@ -192,10 +194,11 @@ class TrainStep:
 
     ``step`` and ``eval_step`` call it for any state they did not return themselves (a
     restored checkpoint, a state from another step, one made before a later ``init``):
-    its structure, shapes and dtypes must match. The loss scale travels with the state:
-    whatever scale it holds is the one its next step multiplies and divides by, so a
-    state saved under ``mixed_float16`` resumes correctly under a bfloat16 step (which
-    then returns the scale to 1).
+    its structure, shapes and dtypes must match. Before the check, ``step`` fits such a
+    state's precision state to this step's policy, with a warning: the fresh loss-scale
+    state where its scale cannot serve this step (1, a run's without loss scaling, in a
+    float16 step; another scale in a step that does not scale), and fresh or no FP8
+    state where the state's policy had none or this one keeps none.
     """
     if self._expected is None:
       raise RuntimeError("Call train.init(...) first.")
@@ -267,6 +270,8 @@ class TrainStep:
     """
     if state is self._last_state:
       return state
+    # Another run's state: the loss-scale and FP8 state of this step's policy.
+    state = resume.fitted(self._fresh, state, self._last_state, stacklevel=4)
     if self._returned is None and self._last_state is not None:
       self._returned = layout.signature(self._last_state)
     if self._returned is None or layout.signature(state) != self._returned:
