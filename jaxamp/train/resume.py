@@ -56,15 +56,30 @@ def _concrete(tree: Any) -> bool:
              for x in jax.tree.leaves(tree))
 
 
+def _value(x: Any) -> np.ndarray:
+  """``x`` on the host; across processes, this process's copy of a replicated array."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
+
+
+def _readable(x: Any) -> bool:
+  """Whether ``x`` has a value to read: an array, not a tracer or a shape."""
+  return isinstance(x, (np.ndarray, np.generic)) or (
+      isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
 def _host(tree: Any) -> tuple[Any, Any]:
-  return jax.tree.map(np.asarray, tree), jax.tree.map(lambda x: x.sharding, tree)
+  return jax.tree.map(_value, tree), jax.tree.map(lambda x: x.sharding, tree)
 
 
 def fresh_of(plan: Plan, state: TrainState) -> Fresh | None:
   """What :func:`fitted` needs of ``init``'s ``state`` (placed); None where it is not
   concrete (``jax.eval_shape(train.init, ...)``)."""
   scale = _loss_scale(state.opt_state)
-  if not _concrete((scale, state.fp8)):
+  if not _concrete((scale, state.fp8)) or not all(
+      x.is_fully_addressable or x.sharding.is_fully_replicated
+      for x in jax.tree.leaves((scale, state.fp8))):
     return None
   scale_host, scale_shardings = _host(scale) if scale is not None else (None, None)
   fp8_host, fp8_shardings = _host(state.fp8) if state.fp8 is not None else (None, None)
@@ -95,11 +110,11 @@ def _fp8_fitted(fresh: Fresh, fp8: Any, stacklevel: int) -> Any:
 
 def _scale_fitted(fresh: Fresh, opt_state: Any, last: Any, stacklevel: int) -> Any:
   restored = _loss_scale(opt_state)
-  if fresh.loss_scale is None or restored is None or not _concrete(restored.scale):
+  if fresh.loss_scale is None or restored is None or not _readable(restored.scale):
     return opt_state
   if last is not None and restored.scale is getattr(_loss_scale(last), "scale", None):
     return opt_state  # the scale this step returned: nothing to read
-  scale, want = float(restored.scale), float(fresh.loss_scale.scale)
+  scale, want = float(_value(restored.scale)), float(fresh.loss_scale.scale)
   if fresh.unit_scale:
     if scale == 1.0:
       return opt_state
