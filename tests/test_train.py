@@ -1328,39 +1328,53 @@ RESUME_POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8"]
 
 
 def test_a_state_resumed_under_another_policy_gets_the_loss_scale_and_fp8_state_it_needs():
-  """Each of 16 pairs: a state trained one step under policy A, stepped under B. Under a
-  float16 B the dynamic scale starts fresh at 32768 unless A was float16 too (then it is
-  kept); other policies' steps get their scale of 1; FP8 state is made fresh or dropped.
-  Each change warns; the steps are reused across pairs (one compile per policy)."""
-  batch = {"x": np.linspace(-1, 1, 8 * 2, dtype=np.float32).reshape(2, 8),
-           "y": np.array([0, 3], np.int32)}
+  """Each of 16 pairs: a state of policy A (its loss scale as a trained run leaves it)
+  given to a step of policy B. Under a float16 B the dynamic scale starts fresh at 32768
+  unless A was float16 too (then it is kept); other policies get their scale of 1; FP8
+  state is made fresh or dropped; skipped_steps is kept; each change warns, naming B.
+  The pairs run the fitting stage train.step runs first (no compile); one pair then
+  runs through train.step."""
+  from jaxamp.train import resume  # pylint: disable=g-import-not-at-top
+
   model = lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0))
   trains = {p: jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=p)
             for p in RESUME_POLICIES}
-  trained = {}
+  fresh, restored = {}, {}
+  is_scale = lambda x: isinstance(x, jaxamp.LossScaleState)
   for p, train in trains.items():
-    trained[p], _ = train.step(train.init(model()), batch)
+    state = train.init(model())
+    fresh[p] = resume.fresh_of(train.plan, state)
+    trained = lambda x: x._replace(scale=jnp.float32(1024.0 if p == "mixed_float16" else 1.0),
+                                   growth_count=jnp.int32(5), overflow_steps=jnp.int32(3))
+    restored[p] = state._replace(opt_state=jax.tree.map(
+        lambda x: trained(x) if is_scale(x) else x, state.opt_state, is_leaf=is_scale))
   scale_of = lambda s: optax.tree_utils.tree_get(s.opt_state, "LossScaleState")
   for a, b in itertools.product(RESUME_POLICIES, RESUME_POLICIES):
-    restored = jax.tree.map(jnp.copy, trained[a])  # as a checkpoint would give it back
-    before = jax.device_get(scale_of(restored))
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      state, _ = trains[b].step(restored, batch)
-    after = scale_of(state)
+      state = resume.fitted(fresh[b], restored[a])
+    trains[b].check_state(state)  # fits B's step
     scales = b == "mixed_float16"
-    fresh = scales != (a == "mixed_float16")  # the scale A left cannot serve B
-    want_scale = float(before.scale) if not fresh else 2.0**15 if scales else 1.0
-    want_count = 1 if fresh else int(before.growth_count) + 1
-    assert (float(after.scale), int(after.growth_count), int(after.overflow_steps)) == (
-        want_scale, want_count, int(before.overflow_steps)), (a, b)
+    new = scales != (a == "mixed_float16")  # the scale A left cannot serve B
+    got = scale_of(state)
+    want = ((32768.0 if scales else 1.0, 0) if new
+            else (1024.0 if scales else 1.0, 5))
+    assert (float(got.scale), int(got.growth_count), int(got.overflow_steps)) == (
+        *want, 3), (a, b)
     assert (state.fp8 is not None) == (b == "mixed_fp8"), (a, b)
-    messages = [str(w.message) for w in caught if "jaxamp: this state" in str(w.message)]
-    assert len(messages) == fresh + ((a == "mixed_fp8") != (b == "mixed_fp8")), (a, b, messages)
-    if fresh:
-      assert f"policy {b!r}" in messages[-1] and ("fresh at 32768" if scales else
-                                                 "fresh at 1") in messages[-1], messages
-  assert all(t.trace_count == 1 for t in trains.values())
+    if a == b:
+      assert state is restored[a]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == new + ((a == "mixed_fp8") != (b == "mixed_fp8")), (a, b, messages)
+    assert all(f"policy {b!r}" in m for m in messages), messages
+    if new:
+      assert any(f"fresh at {32768 if scales else 1}" in m for m in messages), messages
+  # Through train.step: a bfloat16 state's first float16 step runs at 32768.
+  f16 = trains["mixed_float16"]
+  batch = make_batches(1, size=2)[0]
+  with pytest.warns(RuntimeWarning, match="starts fresh at 32768"):
+    state, metrics = f16.step(restored["mixed_bfloat16"], batch)
+  assert float(metrics["loss_scale"]) == 32768.0 and int(metrics["skipped_steps"]) == 3
 
 
 @pytest.mark.parametrize("master_weights", [True, False])
