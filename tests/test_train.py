@@ -555,7 +555,7 @@ def test_the_model_given_to_init_stays_usable_unless_donated(api):
     before = np.asarray(model(x))
     state, _ = train.step(train.init(model), make_batches(1)[0])
     np.testing.assert_array_equal(np.asarray(model(x)), before)
-    # The opt-out, with a step of the same shapes (no second compile of the program).
+    # The opt-out: the state takes the model's arrays, which the first step deletes.
     donated = NNXNet(nnx.Rngs(1), batchnorm=False)
     arrays = jax.tree.leaves(nnx.state(donated))
     state, _ = train.step(train.init(donated, donate_model=True), make_batches(1)[0])
