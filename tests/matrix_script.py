@@ -3,7 +3,9 @@
 Each row of a pairwise covering array over (model, layout, policy, accumulation, model
 state, fault, half_residuals, batch) trains 3 steps on a mesh of data=4 x model=2 and on
 one device with the same global batch (its micro-batches holding the same rows as the
-mesh's), and reports how the two differ. Prints one ``ROW <json>`` line per row.
+mesh's), and reports how the two differ; then ``EXTRA_ROWS`` (an optimizer state holding
+the parameters' arrays, a state resumed from a step of another policy). Prints one
+``ROW <json>`` line per row.
 """
 
 import itertools
@@ -35,6 +37,19 @@ FACTORS = {
     # dropout keys), and the loss adds noise drawn from each row's first.
     "batch": ["arrays", "typed key"],
 }
+# Rows after the covering array's, each varying what a factor would (issue 46): an
+# optimizer state holding the parameters' own arrays, and a state made by a step of
+# another policy (its loss-scale and FP8 state fitted to the row's policy at the first
+# step). Not factors: the covering array, and the rows it has been checked on, stay.
+EXTRA = {"optimizer": "sgd", "resume": "none"}
+EXTRA_ROWS = [
+    dict(model="nnx", layout="fsdp", policy="mixed_float16", accum=1, state="none",
+         fault="none", residuals="half", batch="arrays",
+         optimizer="sgd, average of the params", resume="mixed_bfloat16"),
+    dict(model="linen", layout="replicated", policy="mixed_fp8", accum=1, state="none",
+         fault="none", residuals="half", batch="arrays",
+         optimizer="sgd, average of the params", resume="mixed_float16"),
+]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
 LOGICAL = [("embed", ("data", "model")), ("mlp", None)]  # MaxText-style: two axes
@@ -66,6 +81,22 @@ def pairwise(factors):
     if refused(row):
       rows.append(row)
   return rows
+
+
+def all_rows():
+  """The covering array's rows, then EXTRA_ROWS; every row has EXTRA's keys."""
+  return [{**row, **EXTRA} for row in pairwise(FACTORS)] + EXTRA_ROWS
+
+
+def averaged_params(decay=0.5):
+  """An optax element keeping an average of the parameters, initialised from the
+  parameters themselves: the optimizer state holds their arrays."""
+
+  def update_fn(updates, state, params=None):
+    return updates, jax.tree.map(lambda a, p, u: decay * a + (1 - decay) * (p + u), state,
+                                 params, updates)
+
+  return optax.GradientTransformation(lambda params: params, update_fn)
 
 
 def kernel_init(names):
@@ -193,16 +224,18 @@ def made(row, mesh):
   """The train step and first state of ``row`` (on ``mesh``, or one device)."""
   axis_name = "data" if mesh is not None else None
   kw = layout_kwargs(row["layout"], mesh) if mesh is not None else {}
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=row["policy"],
-                                 grad_accum_steps=row["accum"],
-                                 model_state_reduction=REDUCTION,
-                                 half_residuals=row["residuals"] == "half", **kw)
+  tx = optax.sgd(0.1)
+  if row["optimizer"] != "sgd":
+    tx = optax.chain(tx, averaged_params())
+  step = lambda policy: jaxamp.make_train_step(
+      loss_fn, tx, policy=policy, grad_accum_steps=row["accum"],
+      model_state_reduction=REDUCTION, half_residuals=row["residuals"] == "half", **kw)
+  train = step(row["policy"])
   if row["model"] == "equinox":
-    state = train.init(equinox_net(row["state"]))
+    args = (equinox_net(row["state"]),)
   elif row["model"] == "nnx":
     with nnx.use_eager_sharding(False):  # annotations only: the train step lays out
-      model = NNXNet(row["state"], axis_name, nnx.Rngs(0))
-    state = train.init(model)
+      args = (NNXNet(row["state"], axis_name, nnx.Rngs(0)),)
   else:
     module = LinenNet(row["state"], axis_name)
     x = jnp.zeros((BATCH, 16))
@@ -210,7 +243,10 @@ def made(row, mesh):
       variables = LinenNet(row["state"], None).init(jax.random.key(0), x)
     else:
       variables = module.init(jax.random.key(0), x)
-    state = train.init(module, variables, x)
+    args = (module, variables, x)
+  state = train.init(*args)
+  if row["resume"] != "none":  # the first state a step of another policy made
+    state = step(row["resume"]).init(*args)
   return train, state
 
 
@@ -265,7 +301,7 @@ def largest(a_tree, b_tree, relative=False):
 
 def compare(row, mesh, references):
   key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals",
-                               "batch"))
+                               "batch", "optimizer", "resume"))
   try:
     if key not in references:
       references[key] = run(row, None)
@@ -283,6 +319,8 @@ def compare(row, mesh, references):
       "model_state": largest(model_state(state), model_state(ref_state)),
       "fp8": (largest(state.fp8, ref_state.fp8, relative=True)
               if state.fp8 is not None else 0.0),
+      "opt_state": largest(state.opt_state, ref_state.opt_state),
+      "fp8_held": [state.fp8 is not None, ref_state.fp8 is not None],
       "records": records, "reference_records": ref_records,
       "skips_exact": bool(exact and ref_exact),
       "replicas_agree": replicas_agree(state),
@@ -292,7 +330,7 @@ def compare(row, mesh, references):
 
 def main():
   mesh = jax.make_mesh((DATA, 2), ("data", "model"))
-  rows = pairwise(FACTORS)
+  rows = all_rows()
   references = {}
   only = sys.argv[1:]  # row indices, to rerun a few
   for i, row in enumerate(rows):

@@ -9,6 +9,8 @@ model state within the policy's tolerance, the same skips and loss scales, an in
 inf skipped bit-identically, the same FP8 state, and every replicated leaf the same on
 every device. A combination that cannot match must be refused by make_train_step or init
 with a clear error: an Equinox model with state (BatchNorm, counters in eqx.nn.State) is.
+Rows after the covering array's (``matrix_script.EXTRA_ROWS``) add an optimizer state
+holding the parameters' own arrays and a state resumed from a step of another policy.
 """
 
 import itertools
@@ -23,7 +25,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 import matrix_script  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-ROWS = matrix_script.pairwise(matrix_script.FACTORS)
+ROWS = matrix_script.all_rows()
 
 # Largest param (and model-state) difference from one device after 3 SGD steps, per
 # policy: float32 is reduction order only; half precision rounds each device's partial
@@ -49,7 +51,8 @@ FP8_DEFAULT = 2e-2
 
 
 def _name(row):
-  return "-".join(str(row[k]) for k in matrix_script.FACTORS).replace(" ", "_")
+  extra = [f"{k}={row[k]}" for k, v in matrix_script.EXTRA.items() if row[k] != v]
+  return "-".join([str(row[k]) for k in matrix_script.FACTORS] + extra).replace(" ", "_")
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +112,12 @@ def test_a_combination_trains_as_one_device_or_is_refused_at_init(results, index
   # whole-model layout asks for the whole model at the step's start.
   per_layer = row["layout"] not in ("replicated", "fsdp, whole model")
   assert got["layer_gather"] == per_layer, got
+  if row["optimizer"] != "sgd":  # the average of the params, held apart from them
+    assert got["opt_state"] <= tolerance, got
+  if row["resume"] != "none":  # a state made under another policy: fitted at its first step
+    assert got["fp8_held"] == [row["policy"] == "mixed_fp8"] * 2, got
+    scales = [scale for _, scale in got["records"]]
+    assert scales == ([32768.0] * 3 if row["policy"] == "mixed_float16" else [1.0] * 3), got
   skipped = [n for n, _ in got["records"]]
   if row["fault"] != "none":  # the inf on one device's rows skips that step, everywhere
     assert skipped[1] - skipped[0] == 1, got

@@ -1,5 +1,6 @@
 """Tests for jaxamp.train: exact skips, accumulation, data parallel, resume, no retracing."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -675,19 +676,107 @@ def test_compiles_once_and_donates_buffers():
   assert int(state.step) == 4
 
 
-def test_the_first_step_consumes_the_models_arrays_and_a_copy_keeps_them():
-  """What the README says of init and donation: the state holds the model's own arrays
-  (no cast was needed under float32 params), so the first step deletes them; nnx.clone
-  shares them; a copy of the arrays survives."""
-  model = NNXNet(nnx.Rngs(0), batchnorm=False)
-  graphdef, arrays = nnx.split(model)
-  kept = nnx.merge(graphdef, jax.tree.map(jnp.copy, arrays))
-  clone = nnx.clone(model)
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_the_model_given_to_init_stays_usable_unless_donated(api):
+  """init copies the arrays the state would share with the model (the donating step
+  would delete them): the model still runs, unchanged. With donate_model=True the state
+  takes the model's own arrays, and the first step deletes them (no copy)."""
+  x = make_batches(1)[0]["x"]
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
-  state = train.init(model)
-  train.step(state, make_batches(1)[0])
-  assert model.l1.kernel[...].is_deleted() and clone.l1.kernel[...].is_deleted()
-  assert not kept.l1.kernel[...].is_deleted()
+  if api == "nnx":
+    model = NNXNet(nnx.Rngs(0), batchnorm=False)
+    before = np.asarray(model(x))
+    state, _ = train.step(train.init(model), make_batches(1)[0])
+    np.testing.assert_array_equal(np.asarray(model(x)), before)
+    # The opt-out: the state takes the model's arrays, which the first step deletes.
+    donated = NNXNet(nnx.Rngs(1), batchnorm=False)
+    arrays = jax.tree.leaves(nnx.state(donated))
+    state, _ = train.step(train.init(donated, donate_model=True), make_batches(1)[0])
+    assert all(a.is_deleted() for a in arrays)
+  else:
+    module = LinenNet(batchnorm=False)
+    variables = module.init(jax.random.key(0), x[:2], train=False)
+    before = np.asarray(module.apply(variables, x, train=False))
+    state = train.init(module, variables, x[:2], train=False)
+    state, _ = train.step(state, make_batches(1)[0])
+    np.testing.assert_array_equal(np.asarray(module.apply(variables, x, train=False)), before)
+
+
+class TwoFromOne(nnx.Module):
+  """Two parameters, possibly made from one array (as nnx.Param(w) twice)."""
+
+  def __init__(self, a, b):
+    self.a, self.b = nnx.Param(a), nnx.Param(b)
+
+  def __call__(self, x):
+    return x @ self.a + jnp.tanh(x @ self.b)
+
+
+def _trained(train, state, steps=2):
+  for b in make_batches(steps):
+    state, metrics = train.step(state, b)
+    assert bool(metrics["grads_finite"])
+  return state
+
+
+def test_two_params_from_one_array_train_apart_as_under_nnx_jit():
+  """XLA refused to donate the one buffer twice; now each parameter gets its own
+  buffer and its own updates, as under nnx.jit and as two separate arrays would."""
+  w = jax.random.normal(jax.random.key(0), (8, 4))
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32")
+  want = _trained(train, train.init(TwoFromOne(jnp.copy(w), jnp.copy(w)), donate_model=True))
+  got = _trained(train, train.init(TwoFromOne(w, w), donate_model=True))
+  assert_trees_equal(got.params, want.params)
+  assert not np.array_equal(got.params["a"], got.params["b"])
+
+  @nnx.jit
+  def plain(model, opt, batch):
+    opt.update(model, nnx.grad(loss_fn)(model, batch))
+
+  w = jax.random.normal(jax.random.key(0), (8, 4))  # the first was donated
+  model = TwoFromOne(w, w)
+  opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  for b in make_batches(2):
+    plain(model, opt, b)
+  np.testing.assert_allclose(got.params["a"], model.a[...], rtol=1e-6)
+  np.testing.assert_allclose(got.params["b"], model.b[...], rtol=1e-6)
+
+
+def averaged_params(decay=0.5, copy=False):
+  """An optimizer element keeping an average of the parameters, initialised from them
+  (``copy``: from copies of them)."""
+
+  def init_fn(params):
+    return jax.tree.map(jnp.copy, params) if copy else params
+
+  def update_fn(updates, state, params=None):
+    new = jax.tree.map(lambda a, p, u: decay * a + (1 - decay) * (p + u), state, params,
+                       updates)
+    return updates, new
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def test_an_optimizer_state_holding_the_params_themselves_trains():
+  made = lambda copy: jaxamp.make_train_step(
+      loss_fn, optax.chain(optax.sgd(0.1), averaged_params(copy=copy)), policy="float32")
+  got, want = [_trained(t, t.init(NNXNet(nnx.Rngs(0), batchnorm=False), donate_model=True))
+               for t in (made(False), made(True))]
+  assert_trees_equal(got, want)
+
+
+def test_linen_variables_sharing_a_leaf_train():
+  x = jnp.zeros((2, 8))
+  variables = LinenNet(batchnorm=False).init(jax.random.key(0), x, train=False)
+  bias = variables["params"]["Dense_0"]["bias"]
+  shared = {**variables, "extra": {"bias_at_init": bias}}  # a param's array, twice
+  apart = {**variables, "extra": {"bias_at_init": jnp.copy(bias)}}
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32")
+  # donate_model=True: only the state's own aliasing is copied.
+  got, want = [_trained(train, train.init(LinenNet(batchnorm=False), v, x, train=False,
+                                          donate_model=True))
+               for v in (shared, jax.tree.map(jnp.copy, apart))]
+  assert_trees_equal(got, want)
 
 
 def test_grad_norm_is_norm_of_unscaled_gradients():
@@ -1355,7 +1444,8 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite)
   bf16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
                                 donate=False, skip_nonfinite=skip_nonfinite)
   init(bf16, "nnx", batchnorm=False)
-  resumed, metrics = bf16.step(state, batch)
+  with pytest.warns(RuntimeWarning, match="starts fresh at 1"):  # the scale bf16 uses
+    resumed, metrics = bf16.step(state, batch)
   # Reference: the same state with the scale a bfloat16 run would have had (1).
   one = jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, jaxamp.LossScaleState))
   one = one._replace(opt_state=jax.tree.map(
@@ -1365,6 +1455,59 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite)
   expected, _ = bf16.step(one, batch)
   assert_trees_equal(resumed.params, expected.params)  # not 32768x the update
   assert float(metrics["loss_scale"]) == 1.0  # the bfloat16 step's own rule from here on
+
+
+RESUME_POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8"]
+
+
+def test_a_state_resumed_under_another_policy_gets_the_loss_scale_and_fp8_state_it_needs():
+  """Each of 16 pairs: a state of policy A (its loss scale as a trained run leaves it)
+  given to a step of policy B. Under a float16 B the dynamic scale starts fresh at 32768
+  unless A was float16 too (then it is kept); other policies get their scale of 1; FP8
+  state is made fresh or dropped; skipped_steps is kept; each change warns, naming B.
+  The pairs run the fitting stage train.step runs first (no compile); one pair then
+  runs through train.step."""
+  from jaxamp.train import resume  # pylint: disable=g-import-not-at-top
+
+  model = lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  trains = {p: jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=p)
+            for p in RESUME_POLICIES}
+  fresh, restored = {}, {}
+  is_scale = lambda x: isinstance(x, jaxamp.LossScaleState)
+  for p, train in trains.items():
+    state = train.init(model())
+    fresh[p] = resume.fresh_of(train.plan, state)
+    trained = lambda x: x._replace(scale=jnp.float32(1024.0 if p == "mixed_float16" else 1.0),
+                                   growth_count=jnp.int32(5), overflow_steps=jnp.int32(3))
+    restored[p] = state._replace(opt_state=jax.tree.map(
+        lambda x: trained(x) if is_scale(x) else x, state.opt_state, is_leaf=is_scale))
+  scale_of = lambda s: optax.tree_utils.tree_get(s.opt_state, "LossScaleState")
+  for a, b in itertools.product(RESUME_POLICIES, RESUME_POLICIES):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      state = resume.fitted(fresh[b], restored[a])
+    trains[b].check_state(state)  # fits B's step
+    scales = b == "mixed_float16"
+    new = scales != (a == "mixed_float16")  # the scale A left cannot serve B
+    got = scale_of(state)
+    want = ((32768.0 if scales else 1.0, 0) if new
+            else (1024.0 if scales else 1.0, 5))
+    assert (float(got.scale), int(got.growth_count), int(got.overflow_steps)) == (
+        *want, 3), (a, b)
+    assert (state.fp8 is not None) == (b == "mixed_fp8"), (a, b)
+    if a == b:
+      assert state is restored[a]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == new + ((a == "mixed_fp8") != (b == "mixed_fp8")), (a, b, messages)
+    assert all(f"policy {b!r}" in m for m in messages), messages
+    if new:
+      assert any(f"fresh at {32768 if scales else 1}" in m for m in messages), messages
+  # Through train.step: a bfloat16 state's first float16 step runs at 32768.
+  f16 = trains["mixed_float16"]
+  batch = make_batches(1, size=2)[0]
+  with pytest.warns(RuntimeWarning, match="starts fresh at 32768"):
+    state, metrics = f16.step(restored["mixed_bfloat16"], batch)
+  assert float(metrics["loss_scale"]) == 32768.0 and int(metrics["skipped_steps"]) == 3
 
 
 @pytest.mark.parametrize("master_weights", [True, False])

@@ -35,7 +35,7 @@ from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
 
-__all__ = ["init"]
+__all__ = ["init", "donatable", "arrays_held"]
 
 
 class _Split(NamedTuple):
@@ -296,12 +296,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                          for x in jax.tree.leaves(params))
   built = optimizer_lib.build(options, params)
-  opt_params = params
-  if master_weights:
-    # A copy where a parameter is float32 already: the state must not hold one buffer
-    # twice (the step donates it).
-    opt_params = jax.tree.map(lambda m, p: jnp.copy(m) if m is p else m,
-                              cast_floating(params, F32), params)
+  # Master weights of float32 parameters are the parameters themselves here: donatable
+  # gives the state its own buffers.
+  opt_params = cast_floating(params, F32) if master_weights else params
   opt_state = built.optimizer.init(opt_params)
   if master_weights:
     opt_state = MasterWeightsState(opt_params, opt_state)
@@ -323,3 +320,39 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
               param_specs=specs, gather_dtypes=gather_dtypes, shards=shards,
               layer_gather=layer_gather, rules=rules, state_reductions=reductions)
   return state, plan
+
+
+def arrays_held(model: Any, variables: Any) -> list[jax.Array]:
+  """The arrays the user's objects passed to ``init`` hold: an NNX model's Variables,
+  the Linen variables, an Equinox model's (or another pytree's) leaves."""
+  tree = nnx.state(model) if isinstance(model, nnx.Module) else model
+  return [x for x in jax.tree.leaves((tree, variables)) if isinstance(x, jax.Array)]
+
+
+def _buffers(x: jax.Array) -> set[Any]:
+  """The device buffers ``x`` reads (one per addressable shard), or its identity where
+  they cannot be read."""
+  try:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+  except Exception:  # pylint: disable=broad-except
+    return {("id", id(x))}
+
+
+def donatable(state: Any, kept: list[jax.Array]) -> Any:
+  """``state`` with a copy of each array a donating step must not consume: one whose
+  buffer appears earlier in ``state`` (two ``nnx.Param`` made from one array, Linen
+  variables sharing a leaf, an optimizer state holding the parameters themselves:
+  XLA refuses to donate a buffer twice), or one that an array of ``kept`` (the user's
+  model) also reads. The first occurrence keeps the original; tracers pass."""
+  seen = set().union(*(_buffers(x) for x in kept if not isinstance(x, jax.core.Tracer)))
+  own: set[Any] = set()
+
+  def one(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    held = _buffers(x)
+    shared = held & (seen | own)
+    own.update(held)
+    return jax.device_put(x, may_alias=False) if shared else x
+
+  return jax.tree.map(one, state)

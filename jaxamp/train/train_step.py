@@ -19,7 +19,7 @@ import optax
 from jaxamp import policy as policy_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import init as init_lib
-from jaxamp.train import layout
+from jaxamp.train import layout, resume
 from jaxamp.train.programs import Programs
 from jaxamp.train import step as step_lib
 from jaxamp.train.monitor import SkipStreaks
@@ -54,6 +54,7 @@ class TrainStep(OptionsView):
     self._expected: Any = None
     self._last_state: Any = None
     self._returned: Any = None
+    self._fresh: resume.Fresh | None = None  # init's loss-scale and FP8 state, on the host
     self.trace_count = 0
 
   @property
@@ -119,7 +120,8 @@ class TrainStep(OptionsView):
   # -- setup --
 
   def init(self, model: Any, variables: Mapping[str, Any] | None = None,
-           *example_args: Any, **example_kwargs: Any) -> TrainState:
+           *example_args: Any, donate_model: bool = False,
+           **example_kwargs: Any) -> TrainState:
     """Builds the first :class:`TrainState`.
 
     Each parameter is stored in the param dtype of the module that owns it (its resolved
@@ -131,10 +133,17 @@ class TrainStep(OptionsView):
     dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
     is unwrapped: the train step applies its own policy.
 
-    The state holds the model's own arrays where no cast was needed, and ``step``
-    donates its input state (``donate=True``): the first step consumes them, so use
-    :meth:`model` afterwards, or pass a copy to keep the original. An NNX model trains in
-    the mode it has now (call ``model.train()`` first if it was set to ``.eval()``).
+    ``step`` donates its input state (``donate=True``), so the state gets buffers of
+    its own: a copy of each array the model (or ``variables``) holds and the state would
+    store as it is (one copy of those parameters' and model state's bytes, kept for as
+    long as you keep the model; parameters the policy casts are new arrays already), and
+    of each array the state would hold twice (two ``nnx.Param`` made from one array, an
+    optimizer state holding the parameters themselves), which XLA cannot donate twice.
+    The model stays usable and unchanged; :meth:`model` gives the trained one.
+    ``donate_model=True`` skips the first copy: the state takes the model's own arrays and
+    the first step consumes them (the model then raises "Array has been deleted"). An
+    NNX model trains in the mode it has now (call ``model.train()`` first if it was set
+    to ``.eval()``).
 
     Args:
       model: an NNX module, a Linen module (then pass ``variables``), or an Equinox
@@ -144,6 +153,8 @@ class TrainStep(OptionsView):
       **example_kwargs: Linen only: its example keyword arguments (``rngs`` too, if
         ``init`` needs more than a ``'params'`` key; the step then gives the module the
         streams named there besides ``rng_streams``).
+      donate_model: let the state take the model's own arrays, with no copy (the first
+        donating step then deletes them). Default False: copies, the model stays usable.
 
     Returns:
       The train state (replicated over the mesh, if any).
@@ -157,6 +168,10 @@ class TrainStep(OptionsView):
       state = layout.place(state, plan.state_shardings)
     elif plan.mesh is not None:
       state = jax.device_put(state, plan.replicated())
+    kept = (init_lib.arrays_held(model, variables)
+            if self.options.donate and not donate_model else [])
+    state = init_lib.donatable(state, kept)
+    self._fresh = resume.fresh_of(plan, state)
     self._expected = abstract_state(state)
     self._last_state = self._returned = None  # states made before this init are checked
     return state
@@ -166,10 +181,11 @@ class TrainStep(OptionsView):
 
     ``step`` and ``eval_step`` call it for any state they did not return themselves (a
     restored checkpoint, a state from another step, one made before a later ``init``):
-    its structure, shapes and dtypes must match. The loss scale travels with the state:
-    whatever scale it holds is the one its next step multiplies and divides by, so a
-    state saved under ``mixed_float16`` resumes correctly under a bfloat16 step (which
-    then returns the scale to 1).
+    its structure, shapes and dtypes must match. Before the check, ``step`` fits such a
+    state's precision state to this step's policy, with a warning: the fresh loss-scale
+    state where its scale cannot serve this step (1, a run's without loss scaling, in a
+    float16 step; another scale in a step that does not scale), and fresh or no FP8
+    state where the state's policy had none or this one keeps none.
     """
     if self._expected is None:
       raise RuntimeError("Call train.init(...) first.")
@@ -202,6 +218,8 @@ class TrainStep(OptionsView):
     """
     if state is self._last_state:
       return state
+    # Another run's state: the loss-scale and FP8 state of this step's policy.
+    state = resume.fitted(self._fresh, state, self._last_state, stacklevel=4)
     if self._returned is None and self._last_state is not None:
       self._returned = layout.signature(self._last_state)
     if self._returned is None or layout.signature(state) != self._returned:

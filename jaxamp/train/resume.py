@@ -1,0 +1,157 @@
+"""A state from a run under another policy, fitted to the step's precision state.
+
+A checkpoint carries the loss-scale and FP8 state of the policy it was trained under,
+and the state structure is the same across ``float32``, ``mixed_bfloat16`` and
+``mixed_float16`` (an FP8 policy adds its ``fp8`` field). Resumed as it is, a
+``mixed_bfloat16`` run's scale of 1 would serve a ``mixed_float16`` step whose float16
+gradients then underflow, and the dynamic scale takes 2,000 steps to double. So a state
+the step did not return (a restored checkpoint, another step's state) gets, with a
+warning saying what changed:
+
+- the step's fresh loss-scale state where its scale cannot be one the step's loss scale
+  uses: 1 (no scaling) in a step that scales the loss (float16), or anything but 1 in a
+  step that does not; ``overflow_steps`` (``skipped_steps``) is kept;
+- the step's fresh FP8 state where the state has none, and none where the step's
+  policy keeps no FP8 state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxamp.loss_scale import LossScaleState
+from jaxamp.train.plan import Plan
+from jaxamp.train.state import TrainState
+
+__all__ = ["Fresh", "fresh_of", "fitted"]
+
+
+class Fresh(NamedTuple):
+  """Host copies of the precision state ``init`` made, and where it lives."""
+
+  loss_scale: LossScaleState | None  # numpy leaves; None: not exactly one in the state
+  loss_scale_shardings: Any
+  fp8: Any  # numpy leaves, or None without FP8 state
+  fp8_shardings: Any
+  unit_scale: bool  # the step does not scale the loss (plan.unit_scale)
+  policy: str
+
+
+def _is_scale(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
+
+
+def _loss_scale(opt_state: Any) -> LossScaleState | None:
+  """The one :class:`LossScaleState` in ``opt_state``, or None (none, or several)."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_scale) if _is_scale(x)]
+  return found[0] if len(found) == 1 else None
+
+
+def _concrete(tree: Any) -> bool:
+  return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+             for x in jax.tree.leaves(tree))
+
+
+def _value(x: Any) -> np.ndarray:
+  """``x`` on the host; across processes, this process's copy of a replicated array."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
+
+
+def _readable(x: Any) -> bool:
+  """Whether ``x`` has a value to read: an array, not a tracer or a shape."""
+  return isinstance(x, (np.ndarray, np.generic)) or (
+      isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _host(tree: Any) -> tuple[Any, Any]:
+  return jax.tree.map(_value, tree), jax.tree.map(lambda x: x.sharding, tree)
+
+
+def fresh_of(plan: Plan, state: TrainState) -> Fresh | None:
+  """What :func:`fitted` needs of ``init``'s ``state`` (placed); None where it is not
+  concrete (``jax.eval_shape(train.init, ...)``)."""
+  scale = _loss_scale(state.opt_state)
+  if not _concrete((scale, state.fp8)) or not all(
+      x.is_fully_addressable or x.sharding.is_fully_replicated
+      for x in jax.tree.leaves((scale, state.fp8))):
+    return None
+  scale_host, scale_shardings = _host(scale) if scale is not None else (None, None)
+  fp8_host, fp8_shardings = _host(state.fp8) if state.fp8 is not None else (None, None)
+  return Fresh(scale_host, scale_shardings, fp8_host, fp8_shardings, plan.unit_scale,
+               plan.options.policy.name)
+
+
+def _placed(host: Any, shardings: Any) -> Any:
+  return jax.tree.map(jax.device_put, host, shardings)
+
+
+def _fp8_fitted(fresh: Fresh, fp8: Any, stacklevel: int) -> Any:
+  if (fp8 is None) == (fresh.fp8 is None):
+    return fp8
+  if fp8 is None:
+    warnings.warn(
+        f"jaxamp: this state has no FP8 state (it was made under a policy without FP8 "
+        f"matmuls), but this step's policy {fresh.policy!r} runs them with delayed "
+        "scaling: their amax histories and scales start fresh, as in a new run.",
+        RuntimeWarning, stacklevel=stacklevel)
+    return _placed(fresh.fp8, fresh.fp8_shardings)
+  warnings.warn(
+      f"jaxamp: this state holds FP8 amax histories and scales (it was made under an FP8 "
+      f"policy), which this step's policy {fresh.policy!r} does not use: they are dropped.",
+      RuntimeWarning, stacklevel=stacklevel)
+  return None
+
+
+def _scale_fitted(fresh: Fresh, opt_state: Any, last: Any, stacklevel: int) -> Any:
+  restored = _loss_scale(opt_state)
+  if fresh.loss_scale is None or restored is None or not _readable(restored.scale):
+    return opt_state
+  if last is not None and restored.scale is getattr(_loss_scale(last), "scale", None):
+    return opt_state  # the scale this step returned: nothing to read
+  scale, want = float(_value(restored.scale)), float(fresh.loss_scale.scale)
+  if fresh.unit_scale:
+    if scale == 1.0:
+      return opt_state
+    why = (f"jaxamp: this state's loss scale is {scale:g} (a float16 run's), but this "
+           f"step's policy {fresh.policy!r} does not scale the loss: its loss-scale state "
+           "starts fresh at 1 (skipped_steps kept).")
+  else:
+    if scale != 1.0 or want == 1.0:
+      return opt_state
+    why = (f"jaxamp: this state's loss scale is 1, as a run without loss scaling "
+           f"(bfloat16, float32 or FP8 policies) leaves it, but this step's policy "
+           f"{fresh.policy!r} scales the loss: at 1 small float16 gradients flush to zero, "
+           f"and a dynamic scale grows only every 2,000 steps. The loss-scale state starts "
+           f"fresh at {want:g} (skipped_steps kept), as in a new run; a float16 run whose "
+           "scale had backed off to 1 starts there again too, and backs off as it needs.")
+  warnings.warn(why, RuntimeWarning, stacklevel=stacklevel)
+  new = _placed(fresh.loss_scale, fresh.loss_scale_shardings)
+  new = new._replace(overflow_steps=restored.overflow_steps)
+  return jax.tree.map(lambda x: new if _is_scale(x) else x, opt_state, is_leaf=_is_scale)
+
+
+def fitted(fresh: Fresh | None, state: Any, last: Any = None, stacklevel: int = 4) -> Any:
+  """``state`` with the loss-scale and FP8 state the step's policy needs (see the module
+  docstring), warning for each change; ``state`` itself where nothing changes.
+
+  Args:
+    fresh: :func:`fresh_of` the step's first state (None: fit nothing).
+    state: a state the step did not return.
+    last: the state the step returned last (its loss scale is not read again).
+    stacklevel: of the warnings, counted from here.
+  """
+  if fresh is None or not isinstance(state, TrainState):
+    return state
+  fp8 = _fp8_fitted(fresh, state.fp8, stacklevel + 1)
+  opt_state = _scale_fitted(fresh, state.opt_state,
+                            last.opt_state if isinstance(last, TrainState) else None,
+                            stacklevel + 1)
+  if fp8 is state.fp8 and opt_state is state.opt_state:
+    return state
+  return state._replace(fp8=fp8, opt_state=opt_state)
