@@ -7,6 +7,7 @@ optimizer-state subtree shaped like them (moments, master weights) follow the pa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,7 +17,7 @@ from jaxamp.casting import is_floating_array
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
 
-__all__ = ["place", "laid_out_state", "shapes_laid_out", "signature", "state_shardings",
+__all__ = ["place", "placed_at_init", "laid_out_state", "shapes_laid_out", "signature", "state_shardings",
            "laid_out", "put_batch", "gathered_for_eval"]
 
 
@@ -42,6 +43,17 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.device_put(np.asarray(x), sharding)
 
   return jax.tree.map(one, tree, shardings)
+
+
+def placed_at_init(plan: Plan, state: TrainState) -> tuple[Plan, TrainState]:
+  """``init``'s plan with the state's shardings (sharded params) and its state placed on
+  them: replicated over the mesh without ``param_sharding``, as it is without a mesh."""
+  if plan.sharded:
+    plan = dataclasses.replace(plan, state_shardings=state_shardings(plan, state))
+    return plan, place(state, plan.state_shardings)
+  if plan.mesh is not None:
+    return plan, jax.device_put(state, plan.replicated())
+  return plan, state
 
 
 def laid_out_state(plan: Plan, state: TrainState) -> TrainState:

@@ -7,7 +7,6 @@ return is checked and laid out first), and the skipped-steps monitor.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -133,17 +132,12 @@ class TrainStep(OptionsView):
     dtype. A model wrapped by ``jaxamp.nnx.with_policy`` / ``jaxamp.linen.with_policy``
     is unwrapped: the train step applies its own policy.
 
-    ``step`` donates its input state (``donate=True``), so the state gets buffers of
-    its own: a copy of each array the model (or ``variables``) holds and the state would
-    store as it is (one copy of those parameters' and model state's bytes, kept for as
-    long as you keep the model; parameters the policy casts are new arrays already), and
-    of each array the state would hold twice (two ``nnx.Param`` made from one array, an
-    optimizer state holding the parameters themselves), which XLA cannot donate twice.
-    The model stays usable and unchanged; :meth:`model` gives the trained one.
-    ``donate_model=True`` skips the first copy: the state takes the model's own arrays and
-    the first step consumes them (the model then raises "Array has been deleted"). An
-    NNX model trains in the mode it has now (call ``model.train()`` first if it was set
-    to ``.eval()``).
+    ``step`` donates its input state, so the state gets buffers of its own: a copy of
+    each array the model (or ``variables``) holds and the state would store uncast (the
+    model stays usable; :meth:`model` gives the trained one), and of each array the state
+    would hold twice (two ``nnx.Param`` of one array, an optimizer state holding the
+    parameters), which XLA cannot donate twice. An NNX model trains in the mode it has
+    now (call ``model.train()`` first if it was set to ``.eval()``).
 
     Args:
       model: an NNX module, a Linen module (then pass ``variables``), or an Equinox
@@ -154,20 +148,15 @@ class TrainStep(OptionsView):
         ``init`` needs more than a ``'params'`` key; the step then gives the module the
         streams named there besides ``rng_streams``).
       donate_model: let the state take the model's own arrays, with no copy (the first
-        donating step then deletes them). Default False: copies, the model stays usable.
+        step then deletes them: the model raises "Array has been deleted").
 
     Returns:
       The train state (replicated over the mesh, if any).
     """
     state, plan = init_lib.init(self.options, model, variables, *example_args,
                                 **example_kwargs)
-    if plan.sharded:
-      plan = dataclasses.replace(plan, state_shardings=layout.state_shardings(plan, state))
+    plan, state = layout.placed_at_init(plan, state)
     self._programs = Programs(self.options, plan, self._traced)
-    if plan.sharded:
-      state = layout.place(state, plan.state_shardings)
-    elif plan.mesh is not None:
-      state = jax.device_put(state, plan.replicated())
     kept = (init_lib.arrays_held(model, variables)
             if self.options.donate and not donate_model else [])
     state = init_lib.donatable(state, kept)
