@@ -25,6 +25,9 @@ import pytest
 
 import jaxamp
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,6 +20,9 @@ from flax import nnx
 
 import jaxamp
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 w2v = pytest.importorskip("transformers.models.wav2vec2.modeling_flax_wav2vec2")
 rpl = pytest.importorskip(

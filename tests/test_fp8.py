@@ -350,6 +350,7 @@ def test_linen_dense_state_and_lowering():
   assert "f8E4M3FN" in text and "f8E5M2" in text
 
 
+@pytest.mark.slow
 def test_small_transformer_trains_close_to_bfloat16():
   """A 1-layer transformer LM (attention projections and MLP in FP8) on a fixed batch:
   after 15 Adam steps its loss is within 3% of the bfloat16 run's."""
@@ -548,6 +549,7 @@ def test_linen_module_run_twice_is_refused():
     train.step(state, x)
 
 
+@pytest.mark.slow
 def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_warnings):
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
@@ -566,6 +568,7 @@ def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_wa
   assert text.count("f8E4M3FN") > 0
 
 
+@pytest.mark.slow
 def test_nnx_layers_inside_scan_fall_back_to_current_scaling(fresh_warnings):
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
@@ -642,6 +645,7 @@ class _NNXScanStack(nnx.Module):
     return self.head(body(x, self.blocks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,layer", [(_linen_scan_stack, "Dense blocks/inner"),
                                         (_linen_remat_stack, "Dense inner"),
                                         (_NNXScanStack, "Linear blocks")])

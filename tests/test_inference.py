@@ -16,6 +16,7 @@ def _dtypes(tree):
   return {x.dtype for x in jax.tree.leaves(tree)}
 
 
+@pytest.mark.slow
 def test_nnx_conversion_halves_storage_and_keeps_outputs():
   model = nnx_models.TransformerLM(vocab=16, d=8, heads=2, hidden=16, layers=2, max_len=8,
                                    rngs=nnx.Rngs(0))

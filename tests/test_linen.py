@@ -516,6 +516,7 @@ def test_half_flop_share_forward_and_backward(policy, lm_setup, cnn_setup):
     assert {op.lhs_dtype for op in report.ops} == {MIXED[policy].name}
 
 
+@pytest.mark.slow
 def test_residual_bytes_no_more_than_hand_set_bfloat16(lm_setup, cnn_setup):
   ids, params = lm_setup
   saved = lambda loss, p: jaxamp.precision_report(loss, p, backward=True).residual_bytes
@@ -544,6 +545,7 @@ def test_residual_bytes_no_more_than_hand_set_bfloat16(lm_setup, cnn_setup):
   assert ours <= hand < f32, (ours / f32, hand / f32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(MIXED))
 def test_transformer_trains_in_half_and_matches_float32(policy, lm_setup, lm_float32):
   # float16 runs on CPU too: the layers' dots take float16 operands and return float16

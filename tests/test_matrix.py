@@ -25,6 +25,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 import matrix_script  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 ROWS = matrix_script.all_rows()
 
 # Largest param (and model-state) difference from one device after 3 SGD steps, per

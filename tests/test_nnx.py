@@ -481,6 +481,7 @@ def test_train_step_matmul_flops_are_half_precision(kind, policy):
   assert len(report.ops) >= 2 * (17 if kind == "lm" else 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_activation_memory_is_below_hand_set_bfloat16(kind):
   data = batch(kind)
@@ -532,6 +533,7 @@ def test_norms_are_recomputed_only_when_asked():
   assert not train.recompute_norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(HALF))
 def test_transformer_forward_backward_runs_and_matches_float32(policy):
   # float16 included: XLA on CPU rejects the float16 dots with float32 accumulation of

@@ -692,6 +692,7 @@ def _run(args, env=None, timeout=300):
                         env=full_env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_path):
   path = tmp_path / "sharded.py"
   path.write_text(_EIGHT_DEVICES.format(root=ROOT, tests=TESTS))
@@ -701,6 +702,7 @@ def test_fsdp_on_8_devices_layout_collectives_and_single_device_semantics(tmp_pa
   assert "SHARDED-OK" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_sharding_guides_sizing_example_fits_8_devices_and_not_one(tmp_path):
   from test_docs import section_blocks  # pylint: disable=g-import-not-at-top
 
@@ -874,6 +876,7 @@ print('PER-LAYER-OK', temps, eval_temps)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("library", ["linen", "equinox"])
 def test_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path, library):
   if library == "equinox":
@@ -890,6 +893,7 @@ def test_fsdp_gathers_each_layer_where_it_runs_on_8_devices(tmp_path, library):
 
 # --- two processes ------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["layer", "model"])
 def test_two_processes_train_sharded_like_one(tmp_path, gather):
   """The README's launch commands: examples/sharded.py in 2 processes of 2 CPU devices,

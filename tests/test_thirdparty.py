@@ -21,6 +21,9 @@ from flax import nnx
 
 import jaxamp
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 flaxmodels = pytest.importorskip("flaxmodels")
 gpt2 = pytest.importorskip("transformers.models.gpt2.modeling_flax_gpt2")
 transformers = pytest.importorskip("transformers")

@@ -1095,6 +1095,7 @@ def _run_script(source, tmp_path, name, env=None):
   return proc.stdout
 
 
+@pytest.mark.slow
 def test_data_parallel_on_8_devices_matches_single_device(tmp_path):
   script = _MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
   out = _run_script(script, tmp_path, "mesh.py",
@@ -1148,6 +1149,7 @@ def orbax_resumed(once_per_run):
   return once_per_run("orbax_resume", make)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_orbax_resume_in_fresh_process_is_bit_identical(orbax_resumed, api):
   # Dropout on: NNX carries its RNG streams in model_state; a Linen step folds its key
@@ -1240,6 +1242,7 @@ def test_bad_arguments_are_named():
     train.init(LinenNet())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 @pytest.mark.parametrize("level,param_dtype,norm_dtype,scale,half_share,master", [
     ("O0", jnp.float32, jnp.float32, 1.0, 0.0, False),
@@ -1734,6 +1737,7 @@ def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after(a
     gc.set_threshold(*found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_step_fn_under_the_users_jit_and_scan_steps_as_train_step(api):
   """train.step_fn, the pure step, run inside the user's own jax.jit (and lax.scan over
