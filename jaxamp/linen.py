@@ -59,7 +59,8 @@ from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
                                  set_attr_unchecked, union_filters)
-from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, read_as
+from jaxamp.casting import (at_least_float32, cast_floating, is_floating_array,
+                            is_floating_dtype, read_as)
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -254,7 +255,7 @@ def _planned(variables: Any) -> Any:
   """``variables`` as the abstract pass sees them (:func:`_apply_plan`): parameter slices
   (FSDP, ``gather='layer'``) as whole parameters, and floating parameters of mixed dtypes
   (gathered at the step's start in each reader's compute dtype, or stored so by rules)
-  as float32. The pass runs the module uncast, where a bfloat16 carry through a float32
+  as float32 (float64 if some are). The pass runs the module uncast, where a bfloat16 carry through a float32
   LayerNorm would come back float32 and fail ``nn.scan``'s carry check."""
   if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
     return variables
@@ -265,7 +266,8 @@ def _planned(variables: Any) -> Any:
     return variables
   params = gather_lib.whole(params)
   if len(floating) > 1:
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32)
+    wide = at_least_float32(*floating)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), wide)
                           if is_floating_dtype(x.dtype) else x, params)
   return {**variables, "params": params}
 

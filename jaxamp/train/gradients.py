@@ -2,8 +2,8 @@
 
 :func:`loss_and_grads` runs ``loss_fn`` on the model bound to the params under its
 policies, differentiates the loss times the loss scale, and with ``grad_accum_steps``
-sums the micro-batches' gradients in float32 inside a ``lax.scan``. It works on one
-device's data; ``devices`` wraps it for a mesh.
+sums the micro-batches' gradients in float32 (float64 ones in float64) inside a
+``lax.scan``. It works on one device's data; ``devices`` wraps it for a mesh.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
+from jaxamp.casting import at_least_float32
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
 from jaxamp.train import gather as gather_lib
 from jaxamp.rules import asks_for_fp8, leaf_name
-from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
+from jaxamp.train.loss import call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
 
 __all__ = ["loss_and_grads"]
@@ -147,21 +148,21 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
   micro = jax.tree.map(split, batch)
-  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, at_least_float32(p.dtype)), params)
 
   def body(carry, xs):
     acc, ms, f8 = carry
     mb, i = xs
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
     g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
-    acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, g)
+    acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
     return (acc, ms, f8), (loss, aux)
 
   (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
       body, (acc0, model_state, fp8), (micro, jnp.arange(k)))
-  # Accumulated in float32. Master weights take them so; otherwise they go on in each
+  # Accumulated in float32 (or wider). Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
-  grads = jax.tree.map(lambda a, p: a.astype(
-      F32 if plan.master_weights or keep_float32 else p.dtype), acc, params)
+  grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32
+                       else a.astype(p.dtype), acc, params)
   return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8

@@ -25,13 +25,12 @@ from jaxamp import nnx as amp_nnx
 from jaxamp import residuals as residuals_lib
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
+from jaxamp.casting import is_floating_array, overflowed_casts, widen_floating
 from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name,
                           warn_unmatched_path_rules)
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
 from jaxamp.train.gather import Shard
-from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
 
@@ -280,7 +279,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
     shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
-                            options.grad_reduce_dtype)
+                            options.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
     layer_gather = _gathers_per_layer(options, split.adapter, model)
   master_weights = options.master_weights
@@ -293,7 +292,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     # A copy where a parameter is float32 already: the state must not hold one buffer
     # twice (the step donates it).
     opt_params = jax.tree.map(lambda m, p: jnp.copy(m) if m is p else m,
-                              cast_floating(params, F32), params)
+                              widen_floating(params), params)
   opt_state = built.optimizer.init(opt_params)
   if master_weights:
     opt_state = MasterWeightsState(opt_params, opt_state)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import cast_floating, narrow_cotangents
+from jaxamp.casting import narrow_cotangents, widen_floating
 from jaxamp.rules import path_name
 from jaxamp.train import devices, gather, layout, update
 from jaxamp.train.loss import F32, call_user
@@ -119,7 +119,7 @@ def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False
     with fp8_lib.state_scope(fp8), gather.prefetching(per_layer and plan.prefetch):
       model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
                                    float32_outputs=options.float32_outputs, shards=shards)
-      return cast_floating(call_user(options.evaluate, model, batch), F32)
+      return widen_floating(call_user(options.evaluate, model, batch))
 
   run = autocast_under_level(options, run, batch_argnum=4)
   args = (params, state.model_state, state.rng, state.fp8, batch)
