@@ -116,18 +116,22 @@ class _Places:
     self.root: nn.Module | None = None  # the model's root: the first module to run
     self.calls: list[Path] = []  # model paths of the module methods running
     self.nested: list[Path] = []  # model paths of the nested applies running
-    self.clones: dict[int, Path] = {}  # the clones nn.map_variables runs of nested roots
+    # The clones nn.map_variables runs of nested roots, by id, each held with its path:
+    # a clone freed while its id is a key here would leave the id to the next module
+    # allocated there (the summary then gave that module's matmuls to the nested root).
+    self.clones: dict[int, tuple[nn.Module, Path]] = {}
     self.cloning: Path | None = None  # a nested root's path, while its clone is made
 
   def of(self, module: nn.Module) -> tuple[Path, bool]:
     """``module``'s path in the model, and whether it is the root of a nested apply."""
     path = _module_path(module)
+    clone = self.clones.get(id(module))
     if self.root is None:
       self.root = module
-    elif id(module) in self.clones:
-      return self.clones[id(module)], False
+    elif clone is not None and clone[0] is module:
+      return clone[1], False
     elif not path and self.cloning is not None:  # the first module the transform runs
-      self.clones[id(module)] = self.cloning
+      self.clones[id(module)] = (module, self.cloning)
       return self.cloning, False
     elif not path and module is not self.root and not (
         # The clone a lifted top module (nn.remat(Model)) runs is no nested apply.
