@@ -128,10 +128,10 @@ class _Collecting(nn.Module):
 
 def test_the_summary_attributes_matmuls_whatever_the_garbage_collector_frees():
   """A nested apply's clone was known by its id: a module allocated where a collected
-  clone had been took the clone's path, and its matmuls went to the nested root (Hugging
-  Face Wav2Vec2's first q_proj, after the weight-normed positional conv, lost its
-  matmul dtype in one run of two). Four summaries, 30 nested applies each: before, most
-  summaries gave some module's matmuls to another."""
+  clone had been took the clone's path, and its matmuls went to the nested root (the
+  reported Hugging Face Wav2Vec2 q_proj after the weight-normed positional conv). Four
+  summaries, 30 nested applies each: before, most summaries gave some module's matmuls
+  to another."""
   x = jnp.zeros((2, 8))
   variables = jax.eval_shape(lambda: _Collecting().init(jax.random.key(0), x))
   tables = set()
