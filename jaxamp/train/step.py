@@ -6,7 +6,7 @@ what ``TrainStep.step_fn`` hands users who call it inside their own ``jax.jit`` 
 ``lax.scan``:
 
 1. ``gradients``: ``loss_fn`` under the policies, the loss times the loss scale, its
-   gradients (accumulated over micro-batches in float32);
+   gradients (accumulated over micro-batches in at least float32);
 2. ``devices``: with a mesh, the same per device and the results combined;
 3. ``update``: unscaled, checked for inf/NaN, applied, or skipped exactly;
 4. the new state and the metrics.
@@ -99,7 +99,7 @@ def step_key(state: TrainState) -> jax.Array:
 
 def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False) -> Any:
   """``eval_fn`` (default: ``loss_fn``) on the model in eval mode, under its policies;
-  floating results in float32. Nothing is updated.
+  floating results in float32 (float64 ones as they are). Nothing is updated.
 
   With sharded params it runs as one program XLA partitions over the mesh (the batch
   split over the batch axes): ``per_layer``, each sharded parameter is gathered where a
