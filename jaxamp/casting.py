@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["cast_floating", "is_floating_array", "is_floating_dtype", "is_inexact_array",
-           "read_as", "real_or_complex", "narrow_cotangents", "overflowed_casts"]
+           "read_as", "real_or_complex", "narrow_cotangents", "overflowed_casts",
+           "at_least_float32", "widen_floating"]
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -109,6 +110,33 @@ def is_floating_dtype(dtype: Any) -> bool:
     return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
   except TypeError:
     return False
+
+
+_FLOAT32 = np.dtype(jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def at_least_float32(*dtypes: Any) -> np.dtype:
+  """float32, or the widest of ``dtypes`` where that is wider (float64).
+
+  The dtype of every precision-keeping default ("in float32": norms, outputs handed to
+  the loss, the loss, gradient accumulation and reductions, global norms, master
+  weights): it widens half precision and never narrows a wider policy.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp.casting import at_least_float32
+    >>> at_least_float32(jnp.bfloat16), at_least_float32(jnp.float64)
+    (dtype('float32'), dtype('float64'))
+  """
+  return np.dtype(functools.reduce(jnp.promote_types, dtypes, _FLOAT32))
+
+
+def widen_floating(tree: Any) -> Any:
+  """Each floating leaf of ``tree`` in :func:`at_least_float32` of its dtype: half
+  precision widened to float32, float32 and float64 leaves as they are."""
+  return jax.tree.map(
+      lambda x: cast_leaf(x, at_least_float32(x.dtype)) if is_floating_array(x) else x, tree)
 
 
 def cast_leaf(x: Any, dtype: np.dtype) -> Any:

@@ -45,7 +45,8 @@ GLOBAL_NORM = "jaxamp_global_norm"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KnownNorm:
-  """The float32 global norm of the arrays ``leaves`` (a caller's offer to reuse it).
+  """The float32 (or float64) global norm of the arrays ``leaves`` (a caller's offer to
+  reuse it).
 
   Not a pytree: optax passes extra arguments through, never maps over them.
   """
@@ -76,8 +77,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
   Returns:
     An optax transformation with optax's clipping rule and empty state. Its norm is
-    taken in float32 (optax's, in each leaf's own dtype, differs for half-precision
-    leaves by their rounding).
+    taken in float32, or float64 for float64 leaves (optax's, in each leaf's own dtype,
+    differs for half-precision leaves by their rounding).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxamp

@@ -45,11 +45,10 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import _warn_once
-from jaxamp.casting import cast_leaf, is_floating_array, read_as
+from jaxamp.casting import at_least_float32, cast_leaf, is_floating_array, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -65,7 +64,6 @@ __all__ = ["POLICY_METHODS", "with_policy", "module_policies", "unwrap", "view_p
 # after the edit see them.
 POLICY_METHODS: dict[type, tuple[str, ...]] = {eqx.Module: ("__call__",)}
 
-_F32 = np.dtype(jnp.float32)
 _INFO = "_jaxamp_info"
 _NORMS = (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
 
@@ -305,16 +303,17 @@ def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
 # --- views ---------------------------------------------------------------------------------
 
 
-def _view(model: Any, policy: Policy, *, output_dtype: Any = None,
+def _view(model: Any, policy: Policy, *, float32_outputs: bool = False,
           recompute_norms: bool = False) -> Any:
-  """The policy view of ``model`` (a plain model or a view). ``output_dtype``: the dtype
-  the outermost modules hand their outputs over in (default: their output dtype)."""
+  """The policy view of ``model`` (a plain model or a view). ``float32_outputs``: the
+  outermost modules hand their outputs over in at least float32 of their output dtype
+  (default: in their output dtype)."""
   policies = {path: p for path, _, p in _resolve(model, policy)}
 
   def make(path: tuple[Any, ...], module: Any, top: bool) -> type:
     base = _base_class(type(module))  # every module: its fields read as the reader computes
     p = policies[path]
-    out = output_dtype if top and output_dtype is not None else p.output_dtype
+    out = at_least_float32(p.output_dtype) if top and float32_outputs else p.output_dtype
     return _policy_class(_Info(base, p, policy, np.dtype(out), bool(recompute_norms)))
 
   return _rebuilt(model, make, cast=policy.compute_dtype)
@@ -351,7 +350,8 @@ def with_policy(model: Any, policy: PolicyLike | None = None, *,
       the backward pass when they compute wider than their inputs: less activation
       memory, more time. Off by default.
     float32_outputs: the outermost modules hand their floating outputs over in float32
-      (what ``make_train_step``'s ``loss_fn`` gets) rather than their output dtype.
+      (what ``make_train_step``'s ``loss_fn`` gets) rather than their output dtype; a
+      wider output dtype (float64) is kept.
 
   Returns:
     The policy view: a pytree of the same arrays; call it (or ``jax.vmap`` it) in place
@@ -366,7 +366,7 @@ def with_policy(model: Any, policy: PolicyLike | None = None, *,
   """
   policy = global_policy() if policy is None else get_policy(policy)
   return _view(model, policy, recompute_norms=recompute_norms,
-               output_dtype=_F32 if float32_outputs else None)
+               float32_outputs=float32_outputs)
 
 
 def module_policies(model: Any, policy: PolicyLike | None = None

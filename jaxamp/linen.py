@@ -61,7 +61,8 @@ from jaxamp import gather as gather_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
                                  set_attr_unchecked, union_filters)
-from jaxamp.casting import cast_floating, is_floating_array, is_floating_dtype, read_as
+from jaxamp.casting import (at_least_float32, cast_floating, is_floating_array,
+                            is_floating_dtype, read_as)
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -116,18 +117,22 @@ class _Places:
     self.root: nn.Module | None = None  # the model's root: the first module to run
     self.calls: list[Path] = []  # model paths of the module methods running
     self.nested: list[Path] = []  # model paths of the nested applies running
-    self.clones: dict[int, Path] = {}  # the clones nn.map_variables runs of nested roots
+    # The clones nn.map_variables runs of nested roots, by id, each held with its path:
+    # a clone freed while its id is a key here would leave the id to the next module
+    # allocated there (the summary then gave that module's matmuls to the nested root).
+    self.clones: dict[int, tuple[nn.Module, Path]] = {}
     self.cloning: Path | None = None  # a nested root's path, while its clone is made
 
   def of(self, module: nn.Module) -> tuple[Path, bool]:
     """``module``'s path in the model, and whether it is the root of a nested apply."""
     path = _module_path(module)
+    clone = self.clones.get(id(module))
     if self.root is None:
       self.root = module
-    elif id(module) in self.clones:
-      return self.clones[id(module)], False
+    elif clone is not None and clone[0] is module:
+      return clone[1], False
     elif not path and self.cloning is not None:  # the first module the transform runs
-      self.clones[id(module)] = self.cloning
+      self.clones[id(module)] = (module, self.cloning)
       return self.cloning, False
     elif not path and module is not self.root and not (
         # The clone a lifted top module (nn.remat(Model)) runs is no nested apply.
@@ -229,7 +234,7 @@ def _planned(variables: Any) -> Any:
   """``variables`` as the abstract pass sees them (:func:`_apply_plan`): parameter slices
   (FSDP, ``gather='layer'``) as whole parameters, and floating parameters of mixed dtypes
   (gathered at the step's start in each reader's compute dtype, or stored so by rules)
-  as float32. The pass runs the module uncast, where a bfloat16 carry through a float32
+  as float32 (float64 if some are). The pass runs the module uncast, where a bfloat16 carry through a float32
   LayerNorm would come back float32 and fail ``nn.scan``'s carry check."""
   if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
     return variables
@@ -240,7 +245,8 @@ def _planned(variables: Any) -> Any:
     return variables
   params = gather_lib.whole(params)
   if len(floating) > 1:
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32)
+    wide = at_least_float32(*floating)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), wide)
                           if is_floating_dtype(x.dtype) else x, params)
   return {**variables, "params": params}
 

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp.casting import is_inexact_array
+from jaxamp.casting import at_least_float32, is_inexact_array
 from jaxamp.policy import PolicyLike, get_policy
 
 __all__ = [
@@ -166,13 +166,14 @@ def _reduce_all(x: jax.Array) -> jax.Array:
   return jax.lax.reduce_and(x, tuple(range(x.ndim))) if x.ndim else x
 
 
-def _sum_of_squares(x: jax.Array) -> jax.Array:
-  """``sum(|x| ** 2)`` in float32, in lax primitives (a complex element counts both
-  parts, as ``optax.tree.norm`` does)."""
+def _sum_of_squares(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``sum(|x| ** 2)`` in ``dtype`` (a real dtype), in lax primitives (a complex element
+  counts both parts, as ``optax.tree.norm`` does)."""
   if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
-    return jax.lax.add(_sum_of_squares(jax.lax.real(x)), _sum_of_squares(jax.lax.imag(x)))
-  if x.dtype != jnp.float32:
-    x = jax.lax.convert_element_type(x, jnp.float32)
+    return jax.lax.add(_sum_of_squares(jax.lax.real(x), dtype),
+                       _sum_of_squares(jax.lax.imag(x), dtype))
+  if x.dtype != dtype:
+    x = jax.lax.convert_element_type(x, dtype)
   square = jax.lax.square(x)
   return jax.lax.reduce_sum(square, tuple(range(x.ndim))) if x.ndim else square
 
@@ -214,7 +215,7 @@ def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
     return g
   # In float32 (float64 stays float64, complex64 complex64): a scale above 65504 is inf
   # in float16. Divided by the real scale, a complex gradient keeps its dtype.
-  wide = jnp.promote_types(g.dtype, jnp.float32)
+  wide = at_least_float32(g.dtype)
   real = jnp.finfo(wide).dtype if wide.kind == "c" else wide
   return (g.astype(wide) / scale.astype(real)).astype(g.dtype)
 
@@ -226,7 +227,8 @@ def unscale(grads: Any, scale: jax.Array) -> Any:
 
 def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
                              ) -> tuple[Any, jax.Array, jax.Array]:
-  """``unscale(grads, scale)``, its global norm (float32) and whether that norm is finite.
+  """``unscale(grads, scale)``, its global norm (float32; float64 if any gradient is) and
+  whether that norm is finite.
 
   One sum of squares gives both. The norm is finite exactly when every element is finite
   and the sum of squares stays within float32's range (a norm below about 1.8e19).
@@ -248,7 +250,10 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
   """
   unscaled = grads if scale is None else unscale(grads, scale)
   leaves = [x for x in jax.tree.leaves(unscaled) if is_inexact_array(x)]
-  total = functools.reduce(jax.lax.add, map(_sum_of_squares, leaves), np.float32(0))
+  # float32, float64 where a leaf is float64 (the real dtype of a complex one).
+  dtype = np.dtype(jnp.finfo(at_least_float32(*(x.dtype for x in leaves))).dtype)
+  total = functools.reduce(jax.lax.add, (_sum_of_squares(x, dtype) for x in leaves),
+                           np.zeros((), dtype))
   # The verdict is read off the norm, not the sum: the same answer (a sum of squares is
   # finite exactly when its root is), and the sum then has one consumer, so XLA fuses
   # every leaf's reduction into the one kernel that takes the root, where three
@@ -620,7 +625,7 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-  """``loss`` in float32 times the current loss scale of ``opt_state``.
+  """``loss`` in float32 (float64 stays float64) times the current loss scale of ``opt_state``.
 
   Differentiate this, not ``loss``: the backward pass then runs on scaled values,
   which the loss-scale transformation divides out again.
@@ -636,7 +641,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Array(12., dtype=float32)
   """
   check_loss_scale_placement(opt_state)
-  return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
+  loss = jnp.asarray(loss)
+  return loss.astype(at_least_float32(loss.dtype)) * get_loss_scale(opt_state)
 
 
 def loss_scale_for(policy: PolicyLike) -> optax.GradientTransformation:

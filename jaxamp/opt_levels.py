@@ -45,6 +45,7 @@ from typing import Any, NamedTuple, Union
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp.casting import at_least_float32
 from jaxamp.policy import _HALF, get_policy, Policy
 from jaxamp.rules import pure_policy_fn
 
@@ -126,7 +127,8 @@ _FIELDS = tuple(f for f in OptLevel._fields if f != "name")
 
 @pure_policy_fn
 def _float32_norm(enclosing: Policy) -> Policy:
-  return Policy(_F32, _F32, enclosing.compute_dtype)
+  return Policy(at_least_float32(enclosing.param_dtype),
+                at_least_float32(enclosing.compute_dtype), enclosing.compute_dtype)
 
 
 def _check_loss_scale(value: Any) -> LossScaleSpec:

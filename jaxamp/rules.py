@@ -11,8 +11,9 @@ A rule maps a *target* to a *policy*:
   wins.
 
 A rule's policy is anything :func:`jaxamp.get_policy` accepts, or a callable
-``enclosing_policy -> Policy`` such as :func:`float32_compute` (compute in float32,
-return the surrounding compute dtype), the default rule of the Flax norm classes.
+``enclosing_policy -> Policy`` such as :func:`float32_compute` (compute in float32, or
+the surrounding compute dtype where wider, and return the surrounding compute dtype),
+the default rule of the Flax norm classes.
 Norm classes that are not Flax's are found by name (:data:`NORM_NAME_PATTERN`:
 ``BatchNorm``, ``LayerNorm2d``, ``RMSNormGated``; not ``Normalize``) and get the rule
 set for :data:`NAMED_NORMS`, :func:`float32_compute` by default. A name alone never
@@ -48,12 +49,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import _warn_once
 from jaxamp._flax_compat import VARIABLE_VALUE_KEY
-from jaxamp.casting import is_floating_array
+from jaxamp.casting import at_least_float32, is_floating_array
 from jaxamp.policy import Policy, PolicyLike, get_policy
 
 __all__ = [
@@ -139,14 +139,17 @@ _PURE_POLICY_FNS: set[Callable[[Policy], Policy]] = set()
 def float32_compute(enclosing: Policy) -> Policy:
   """Rule for precision-sensitive layers: compute in float32, return the enclosing compute dtype.
 
-  Parameters keep the enclosing param dtype. This is the default for normalization layers.
+  At least float32: an enclosing compute dtype wider than float32 (a ``'float64'``
+  policy) is kept, never narrowed. Parameters keep the enclosing param dtype. This is
+  the default for normalization layers.
 
   Example:
     >>> import jaxamp
     >>> jaxamp.float32_compute(jaxamp.get_policy('mixed_float16')).name
     'params=float32,compute=float32,output=float16'
   """
-  return Policy(enclosing.param_dtype, jnp.float32, enclosing.compute_dtype)
+  return Policy(enclosing.param_dtype, at_least_float32(enclosing.compute_dtype),
+                enclosing.compute_dtype)
 
 
 class Rule(NamedTuple):

@@ -1,9 +1,12 @@
 """Tests for jaxamp.summary: one row per module with policy dtypes and parameter bytes."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import jaxamp
@@ -97,3 +100,46 @@ def test_bad_inputs_are_named():
     jaxamp.summary(42)
   with pytest.raises(ValueError, match="needs example inputs"):
     jaxamp.summary(linen_models.TransformerLM())
+
+
+class _WeightNormed(nn.Module):
+  """Runs its submodule through the submodule's own ``apply`` (weight norm, tied heads)."""
+
+  def setup(self):
+    self.inner = nn.Dense(8, use_bias=False)
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (8, 8))
+    return self.inner.apply({"params": {"kernel": scale * 2}}, x)
+
+
+class _Collecting(nn.Module):
+  """Nested applies, each followed by a collection that frees the clone it ran."""
+
+  @nn.compact
+  def __call__(self, x):
+    for k in range(30):
+      x = _WeightNormed(name=f"w{k}")(x)
+      gc.collect(1)  # the clone, freed mid-trace, leaves its id to the next module
+      x = nn.Dense(8, name=f"d{k}")(x)
+    return x
+
+
+def test_the_summary_attributes_matmuls_whatever_the_garbage_collector_frees():
+  """A nested apply's clone was known by its id: a module allocated where a collected
+  clone had been took the clone's path, and its matmuls went to the nested root (the
+  reported Hugging Face Wav2Vec2 q_proj after the weight-normed positional conv). Four
+  summaries, 30 nested applies each: before, most summaries gave some module's matmuls
+  to another."""
+  x = jnp.zeros((2, 8))
+  variables = jax.eval_shape(lambda: _Collecting().init(jax.random.key(0), x))
+  tables = set()
+  for _ in range(4):
+    s = jaxamp.summary((_Collecting(), variables), x, policy="mixed_bfloat16")
+    tables.add(str(s))
+    dense = [r for r in s.rows if r.cls == "Dense"]
+    assert len(dense) == 60
+    assert [r.path for r in dense if (r.matmul_dtypes, r.matmul_flops) != ("bfloat16", 256)
+            ] == []
+  assert len(tables) == 1

@@ -1369,8 +1369,14 @@ def test_float16_on_cpu_warns_once(monkeypatch, fresh_warnings):
 
 
 def test_grad_reduce_dtype_must_be_floating():
-  with pytest.raises(ValueError, match="grad_reduce_dtype must be a floating dtype"):
-    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_reduce_dtype=None)
+  for bad in (jnp.int32, "nope"):
+    with pytest.raises(ValueError, match="grad_reduce_dtype must be a floating dtype"):
+      jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_reduce_dtype=bad)
+  # None, the default: float32, or float64 for float64 gradients.
+  options = jaxamp.make_train_step(loss_fn, optax.sgd(0.1)).options
+  assert options.grad_reduce_dtype is None
+  assert options.reduce_dtype(jnp.bfloat16) == jnp.float32
+  assert options.reduce_dtype(jnp.float64) == jnp.float64
 
 
 def test_loss_scale_after_clipping_is_refused():
@@ -1877,3 +1883,91 @@ def test_compiler_options_reach_the_steps_program():
   for run in (bad.step, bad.eval_step):
     with pytest.raises(Exception, match="xla_no_such_option"):
       run(state, batch)
+
+
+# --- a float64 policy trains in float64 throughout -------------------------------------------
+
+
+def _f64_batches():
+  rng = np.random.RandomState(0)
+  return [{"x": rng.randn(8, 8), "y": rng.randn(8, 4)} for _ in range(3)]
+
+
+def _f64_model(api):
+  """``(model for train.init, its args, loss_fn, (params, value_and_grad of the loss))``:
+  Linear -> LayerNorm -> ReLU -> Linear in float64, and the plain float64 gradient of
+  its mean squared error."""
+  mse = lambda out, y: jnp.mean((out - y) ** 2)
+  f64 = dict(param_dtype=jnp.float64)
+  if api == "nnx":
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.l1, self.ln = nnx.Linear(8, 16, rngs=rngs, **f64), nnx.LayerNorm(16, rngs=rngs, **f64)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs, **f64)
+
+      def __call__(self, x):
+        return self.l2(jax.nn.relu(self.ln(self.l1(x))))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)))
+    return ((Net(nnx.Rngs(0)),), lambda m, b: mse(m(b["x"]), b["y"]),
+            (params, jax.value_and_grad(
+                lambda p, b: mse(nnx.merge(graphdef, p)(b["x"]), b["y"]))))
+  if api == "linen":
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = nn.LayerNorm(**f64)(nn.Dense(16, **f64)(x))
+        return nn.Dense(4, **f64)(jax.nn.relu(h))
+
+    x = jnp.zeros((2, 8), jnp.float64)
+    variables = Net().init(jax.random.key(0), x)
+    return ((Net(), variables, x), lambda m, b: mse(m(b["x"]), b["y"]),
+            (variables["params"], jax.value_and_grad(
+                lambda p, b: mse(Net().apply({"params": p}, b["x"]), b["y"]))))
+  eqx = pytest.importorskip("equinox")
+  k1, k2 = jax.random.split(jax.random.key(0))
+  model = eqx.nn.Sequential([eqx.nn.Linear(8, 16, key=k1, dtype=jnp.float64),
+                             eqx.nn.LayerNorm(16, dtype=jnp.float64),
+                             eqx.nn.Lambda(jax.nn.relu),
+                             eqx.nn.Linear(16, 4, key=k2, dtype=jnp.float64)])
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  loss = lambda m, b: mse(jax.vmap(m)(b["x"]), b["y"])
+  return ((model,), loss, (params, jax.value_and_grad(
+      lambda p, b: loss(eqx.combine(p, static), b))))
+
+
+@pytest.mark.parametrize("api,accum", [("nnx", 1), ("nnx", 2), ("linen", 1), ("equinox", 1)])
+def test_a_float64_policy_trains_as_plain_float64_adam(api, accum):
+  """Every "in float32" default means at least float32: the LayerNorm, the outputs
+  handed to the loss, the loss, the accumulation and the global norm stay float64, so
+  three Adam steps are plain float64 Adam's, bit for bit (accumulated over two
+  micro-batches: to float64 rounding, rtol 1e-12; float32 anywhere gave ~1e-6)."""
+  with jax.enable_x64(True):
+    args, loss, (params, value_and_grad) = _f64_model(api)
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def plain_step(params, opt_state, batch):
+      loss, grads = value_and_grad(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    for batch in _f64_batches():
+      params, opt_state, ref_loss = plain_step(params, opt_state, batch)
+
+    train = jaxamp.make_train_step(loss, optax.adam(1e-2), policy="float64",
+                                   grad_accum_steps=accum)
+    state = train.init(*args)
+    for batch in _f64_batches():
+      state, metrics = train.step(state, batch)
+    assert metrics["loss"].dtype == metrics["grad_norm"].dtype == jnp.float64
+    got, want = leaves(state.params), leaves(params)
+    assert [x.dtype for x in got] == [np.dtype(np.float64)] * len(want)
+    if accum == 1:
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+      assert float(metrics["loss"]) == float(ref_loss)
+    else:
+      for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)

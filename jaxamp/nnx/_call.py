@@ -44,13 +44,14 @@ _SCOPE_ATTR = "_jaxamp_scope"
 class _Call(NamedTuple):
   """One running wrapper call: its model-level policy and options.
 
-  ``scopes`` is set for a census run: ``{id(module): scope number}``, filled by
-  :func:`_applied`, with ``names`` the module path of each number.
+  ``scopes`` is set for a census run: ``{id(module): (module, scope number)}``, filled
+  by :func:`_applied`, with ``names`` the module path of each number. Each module is
+  held with its number, so no other module takes its id while the census runs.
   """
 
   policy: Policy
   recompute_norms: bool
-  scopes: dict[int, int] | None = None
+  scopes: dict[int, tuple[Any, int]] | None = None
   names: list[str] | None = None
 
 

@@ -38,10 +38,11 @@ def _applied(model: nnx.Module, call: _Call) -> Iterator[None]:
       saved.append((node, type(node), vars(node).get(_POLICY_ATTR, _MISSING),
                     vars(node).get(_SCOPE_ATTR, _MISSING)))
       if call.scopes is not None:
-        if id(node) not in call.scopes:
-          call.scopes[id(node)] = len(call.names)
+        held = call.scopes.get(id(node))
+        if held is None or held[0] is not node:
+          held = call.scopes[id(node)] = (node, len(call.names))
           call.names.append(path_name(path))
-        set_attr_unchecked(node, _SCOPE_ATTR, call.scopes[id(node)])
+        set_attr_unchecked(node, _SCOPE_ATTR, held[1])
       # A nested wrapper resolves its own model; containers have no method to wrap.
       if not isinstance(node, PolicyModule) and _methods_for(_base_class(type(node))):
         set_attr_unchecked(node, "__class__", _policy_class(_base_class(type(node))))

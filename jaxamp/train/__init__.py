@@ -2,10 +2,10 @@
 
 :func:`make_train_step` returns a :class:`TrainStep` whose ``step`` is one XLA program
 that runs the model under its per-module policies, scales the loss, accumulates
-micro-batch gradients in float32, reduces them across devices, unscales, checks them
-for inf/NaN everywhere at once and, on an overflow, skips the whole update exactly:
-parameters, every optimizer-state leaf and the model state (BatchNorm statistics, RNG
-counters) stay bit-identical while the loss scale backs off.
+micro-batch gradients in float32 (float64 ones in float64), reduces them across devices,
+unscales, checks them for inf/NaN everywhere at once and, on an overflow, skips the
+whole update exactly: parameters, every optimizer-state leaf and the model state
+(BatchNorm statistics, RNG counters) stay bit-identical while the loss scale backs off.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxamp

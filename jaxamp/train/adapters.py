@@ -26,10 +26,9 @@ from flax import nnx
 from jaxamp import fp8 as fp8_lib
 from jaxamp import gather
 from jaxamp import nnx as amp_nnx
-from jaxamp.casting import cast_floating
+from jaxamp.casting import widen_floating
 from jaxamp.nnx._variables import gather_on_read
 from jaxamp.rules import path_name
-from jaxamp.train.loss import F32
 from jaxamp.train.state import TrainState
 
 __all__ = ["NNXAdapter", "LinenAdapter", "EquinoxAdapter", "Float32Outputs"]
@@ -38,11 +37,12 @@ __all__ = ["NNXAdapter", "LinenAdapter", "EquinoxAdapter", "Float32Outputs"]
 class Float32Outputs(amp_nnx.PolicyModule):
   """The model an NNX ``loss_fn`` receives: a policy wrapper (an ``nnx.Module``, so
   ``nnx.state``, ``nnx.split`` and ``nnx.merge`` see the model's Variables) whose calls
-  and public methods hand their floating outputs over in float32. Submodules reached
+  and public methods hand their floating outputs over in float32 (or wider: a float64
+  output stays float64, :func:`~jaxamp.casting.widen_floating`). Submodules reached
   through it run under the policy and return their own dtypes."""
 
   def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-    return cast_floating(super()._call(name, *args, **kwargs), F32)
+    return widen_floating(super()._call(name, *args, **kwargs))
 
   def __getitem__(self, key: Any) -> Any:
     if not hasattr(self.module, "__getitem__"):
@@ -150,7 +150,7 @@ class LinenAdapter:
           out = wrapped.apply(variables, *args, rngs=rngs, **kwargs)
       except flax.errors.InvalidRngError as e:
         raise _missing_stream(e, self.rng_streams) from None
-      return cast_floating(out, F32) if float32_outputs else out
+      return widen_floating(out) if float32_outputs else out
 
     return apply, lambda: cell["state"]
 

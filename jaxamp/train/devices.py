@@ -27,10 +27,10 @@ import jax.numpy as jnp
 
 from jaxamp import gather
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import cast_floating, real_or_complex
+from jaxamp.casting import at_least_float32, widen_floating
 from jaxamp.train import layout
 from jaxamp.train.gradients import loss_and_grads
-from jaxamp.train.loss import F32, combine_aux
+from jaxamp.train.loss import combine_aux
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
 
@@ -54,7 +54,6 @@ def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.
 def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                          rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
-  dt = plan.options.grad_reduce_dtype
   n = sharding_lib.axis_size(plan.mesh, axes)
 
   def local(params, model_state, batch, rng, scale, fp8):
@@ -63,8 +62,9 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
     changed: set[int] = set()
     grads, loss, aux, new_state, new_fp8 = loss_and_grads(
         plan, params, keys, batch, rng, scale / n, fp8, fp8_axes=axes, changed=changed)
-    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(real_or_complex(g.dtype, dt)), axes)
-                         .astype(g.dtype), grads)
+    reduced = lambda g: plan.options.reduce_dtype(g.dtype)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduced(g)), axes).astype(g.dtype),
+                         grads)
     return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
                             model_state, changed), new_fp8)
 
@@ -79,7 +79,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
   axes = plan.options.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
-  out_dtypes = [real_or_complex(p.dtype, F32) if plan.master_weights else p.dtype
+  out_dtypes = [at_least_float32(p.dtype) if plan.master_weights else p.dtype
                 for p in jax.tree.leaves(state.params)]
 
   def local(params, model_state, batch, rng, scale, fp8):
@@ -88,7 +88,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
       # The slices go in; each read gathers its parameter and each gradient leaves its
       # read reduce-scattered (gather.gathered). Slices of half params are widened
       # first, so their gradients come back float32, as the whole-model path's do.
-      inputs = cast_floating(params, F32) if plan.master_weights else params
+      inputs = widen_floating(params) if plan.master_weights else params
     else:
       inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
     changed: set[int] = set()

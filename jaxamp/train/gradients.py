@@ -2,8 +2,8 @@
 
 :func:`loss_and_grads` runs ``loss_fn`` on the model bound to the params under its
 policies, differentiates the loss times the loss scale, and with ``grad_accum_steps``
-sums the micro-batches' gradients in float32 inside a ``lax.scan``. It works on one
-device's data; ``devices`` wraps it for a mesh.
+sums the micro-batches' gradients in float32 (float64 ones in float64) inside a
+``lax.scan``. It works on one device's data; ``devices`` wraps it for a mesh.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import gather as gather_lib
-from jaxamp.casting import real_or_complex
+from jaxamp.casting import at_least_float32
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
 from jaxamp.rules import asks_for_fp8, leaf_name
-from jaxamp.train.loss import F32, call_user, combine_aux, split_loss
+from jaxamp.train.loss import call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
 
 __all__ = ["loss_and_grads"]
@@ -141,8 +141,9 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   the gradients summed in float32, the model and FP8 state threaded through."""
   k = plan.options.grad_accum_steps
   split, rebuild = _micro_batches(batch, k)
-  # float32 sums; a complex parameter's in complex64 (its imaginary part kept).
-  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, real_or_complex(p.dtype, F32)), params)
+  # float32 sums (float64 for float64 parameters; a complex parameter's in complex64,
+  # its imaginary part kept).
+  acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, at_least_float32(p.dtype)), params)
 
   def body(carry, xs):
     acc, ms, f8 = carry
@@ -155,7 +156,7 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
 
   (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
       body, (acc0, model_state, fp8), (split, jnp.arange(k)))
-  # Accumulated in float32. Master weights take them so; otherwise they go on in each
+  # Accumulated in float32 (or wider). Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
   grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32

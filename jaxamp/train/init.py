@@ -25,13 +25,12 @@ from jaxamp import nnx as amp_nnx
 from jaxamp import residuals as residuals_lib
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import cast_floating, is_floating_array, overflowed_casts
+from jaxamp.casting import is_floating_array, overflowed_casts, widen_floating
 from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name,
                           warn_unmatched_path_rules)
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
 from jaxamp.gather import Shard
-from jaxamp.train.loss import F32
 from jaxamp.train.plan import Options, Plan, level_rules
 from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
 
@@ -288,7 +287,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
     shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
-                            options.grad_reduce_dtype)
+                            options.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
     layer_gather = _gathers_per_layer(options, split.adapter, model)
   master_weights = options.master_weights
@@ -296,9 +295,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                          for x in jax.tree.leaves(params))
   built = optimizer_lib.build(options, params)
-  # Master weights of float32 parameters are the parameters themselves here: donatable
-  # gives the state its own buffers.
-  opt_params = cast_floating(params, F32) if master_weights else params
+  # Master weights of float32 (float64, complex) parameters are the parameters
+  # themselves here: donatable gives the state its own buffers.
+  opt_params = widen_floating(params) if master_weights else params
   opt_state = built.optimizer.init(opt_params)
   if master_weights:
     opt_state = MasterWeightsState(opt_params, opt_state)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp.casting import at_least_float32
+
 F32 = np.dtype(jnp.float32)
 
 LOSS_FN_HINT = ("jaxamp calls loss_fn(model, batch): model is the model running under its "
@@ -46,7 +48,8 @@ def call_user(fn: Callable[..., Any], model: Any, batch: Any) -> Any:
 
 
 def split_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
-  """``loss_fn``'s result as ``(float32 scalar loss, aux)``, or a TypeError naming the fix."""
+  """``loss_fn``'s result as ``(scalar loss, aux)``, the loss in float32 (float64 stays
+  float64), or a TypeError naming the fix."""
   if has_aux:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(f"With has_aux=True, loss_fn must return (loss, aux); it returned "
@@ -67,7 +70,7 @@ def split_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
   if loss.shape != ():
     raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce it "
                      "(e.g. .mean()).")
-  return loss.astype(F32), aux
+  return loss.astype(at_least_float32(loss.dtype)), aux
 
 
 def _describe(x: Any) -> str:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxamp import sharding as sharding_lib
+from jaxamp.casting import at_least_float32, is_floating_dtype, real_or_complex
 from jaxamp.policy import Policy
 from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
@@ -47,7 +47,7 @@ class Options:
   mesh: Any = None
   batch_axis: Any = "data"
   donate: bool = True
-  grad_reduce_dtype: Any = np.dtype(jnp.float32)
+  grad_reduce_dtype: Any = None
   master_weights: bool | None = None
   float32_outputs: bool = True
   debug_nonfinite: bool = False
@@ -97,13 +97,23 @@ class Options:
     if self.eval_fn is not None:
       check_signature(self.eval_fn, "eval_fn")
     dtype = self.grad_reduce_dtype
-    if dtype is None or not jnp.issubdtype(np.dtype(dtype), jnp.floating):
-      raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
-                       f"float16), got {dtype!r}.")
-    object.__setattr__(self, "grad_reduce_dtype", np.dtype(dtype))
+    if dtype is not None:
+      if not is_floating_dtype(dtype):
+        raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
+                         f"float16) or None (float32, or a wider gradient's dtype), got "
+                         f"{dtype!r}.")
+      object.__setattr__(self, "grad_reduce_dtype", np.dtype(dtype))
     object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
     object.__setattr__(self, "recompute_norms", bool(self.recompute_norms))
     object.__setattr__(self, "half_residuals", bool(self.half_residuals))
+
+  def reduce_dtype(self, grad_dtype: Any) -> np.dtype:
+    """The dtype a gradient of ``grad_dtype`` is reduced across devices in:
+    ``grad_reduce_dtype``, else float32 (float64 stays float64); a complex gradient's
+    complex counterpart (complex64 for a real half or float32 dtype)."""
+    if self.grad_reduce_dtype is not None:
+      return real_or_complex(grad_dtype, self.grad_reduce_dtype)
+    return at_least_float32(grad_dtype)
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -135,7 +145,8 @@ class OptionsView:
   batch_axis = _option("batch_axis", "The mesh axis (or axes) the batch is split over.")
   param_sharding = _option("param_sharding", "How params are sharded, or None.")
   donate = _option("donate", "Whether step donates its input state.")
-  grad_reduce_dtype = _option("grad_reduce_dtype", "Dtype of the cross-device reduction.")
+  grad_reduce_dtype = _option("grad_reduce_dtype",
+                              "Dtype of the cross-device reduction (None: at least float32).")
   float32_outputs = _option("float32_outputs", "Whether loss_fn sees float32 outputs.")
   debug_nonfinite = _option("debug_nonfinite", "Whether metrics name non-finite grads.")
   seed = _option("seed", "Seed of the state's PRNG key.")

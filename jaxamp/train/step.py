@@ -6,7 +6,7 @@ what ``TrainStep.step_fn`` hands users who call it inside their own ``jax.jit`` 
 ``lax.scan``:
 
 1. ``gradients``: ``loss_fn`` under the policies, the loss times the loss scale, its
-   gradients (accumulated over micro-batches in float32);
+   gradients (accumulated over micro-batches in at least float32);
 2. ``devices``: with a mesh, the same per device and the results combined;
 3. ``update``: unscaled, checked for inf/NaN, applied, or skipped exactly;
 4. the new state and the metrics.
@@ -27,7 +27,7 @@ from flax import nnx
 from jaxamp import fp8 as fp8_lib
 from jaxamp import gather
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import cast_floating, narrow_cotangents
+from jaxamp.casting import narrow_cotangents, widen_floating
 from jaxamp.rules import path_name
 from jaxamp.train import devices, layout, update
 from jaxamp.train.loss import F32, call_user
@@ -100,7 +100,7 @@ def step_key(state: TrainState) -> jax.Array:
 
 def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False) -> Any:
   """``eval_fn`` (default: ``loss_fn``) on the model in eval mode, under its policies;
-  floating results in float32. Nothing is updated.
+  floating results in float32 (float64 ones as they are). Nothing is updated.
 
   With sharded params it runs as one program XLA partitions over the mesh (the batch
   split over the batch axes): ``per_layer``, each sharded parameter is gathered where a
@@ -120,7 +120,7 @@ def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False
     with fp8_lib.state_scope(fp8), gather.prefetching(per_layer and plan.prefetch):
       model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
                                    float32_outputs=options.float32_outputs, shards=shards)
-      return cast_floating(call_user(options.evaluate, model, batch), F32)
+      return widen_floating(call_user(options.evaluate, model, batch))
 
   run = autocast_under_level(options, run, batch_argnum=4)
   args = (params, state.model_state, state.rng, state.fp8, batch)

@@ -334,7 +334,7 @@ def _lowered(traced: Any, platforms: Sequence[str] | None) -> Any:
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
                     policy: PolicyLike | None = None, has_aux: bool = False,
                     grad_accum_steps: int = 1, mesh: Any = None, batch_axis: str = "data",
-                    donate: bool = True, grad_reduce_dtype: Any = jnp.float32,
+                    donate: bool = True, grad_reduce_dtype: Any = None,
                     master_weights: bool | None = None, float32_outputs: bool = True,
                     debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
                     seed: int = 0, opt_level: Any = None,
@@ -354,7 +354,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       Linen a callable ``model(*args, **kw)`` applying the module (BatchNorm statistics
       and the RNG streams of ``rng_streams`` are handled for you). Its floating outputs
       arrive in float32 unless ``float32_outputs=False``; the loss is computed and
-      reported in float32.
+      reported in float32 (float64 ones in float64: every float32 default here means at
+      least float32).
     optimizer: an optax transformation. A loss-scale element in it (e.g.
       ``optax.chain(jaxamp.dynamic_loss_scale(), optax.adamw(3e-4))``) is used; without
       one, ``jaxamp.loss_scale_for(policy)`` is put first (dynamic for float16 compute).
@@ -378,11 +379,12 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       their product, e.g. ``('data', 'fsdp')``).
     donate: donate the input state's buffers to the step.
     grad_reduce_dtype: dtype of the cross-device gradient mean (reduce-scatter with
-      ``param_sharding``).
+      ``param_sharding``); default (None): float32, or a float64 gradient's float64.
     master_weights: keep float32 master weights in the optimizer state; default (None):
       on when ``init`` stores any parameter in a half dtype (``'float16'`` and
       ``'bfloat16'`` policies, or rules giving some modules half params).
-    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32.
+    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32
+      (float64 ones stay float64: a ``'float64'`` policy trains in float64 throughout).
     debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
       whether its gradient had an inf/NaN, to find the layer that overflowed.
     eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.

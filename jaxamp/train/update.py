@@ -19,9 +19,8 @@ import numpy as np
 import optax
 
 from jaxamp import loss_scale as _ls
-from jaxamp.casting import NarrowCotangents, cast_floating, is_floating_array
+from jaxamp.casting import NarrowCotangents, is_floating_array, widen_floating
 from jaxamp.clipping import GLOBAL_NORM, KnownNorm
-from jaxamp.train.loss import F32
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import MasterWeightsState, TrainState
 
@@ -52,9 +51,9 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
   unit = None if plan.unit_scale else scale
 
   def received(grads: Any) -> Any:
-    # What the optimizer receives (unscaled): float32 for master weights, else each
-    # parameter's dtype.
-    return cast_floating(grads, F32) if plan.master_weights else grads
+    # What the optimizer receives (unscaled): float32 (or wider) for master weights,
+    # else each parameter's dtype.
+    return widen_floating(grads) if plan.master_weights else grads
 
   opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(received(grads), unit)
   # The cond holds each gradient as narrow as it was computed and widens (and unscales)
