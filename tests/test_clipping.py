@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxamp
 from jaxamp.clipping import GLOBAL_NORM, KnownNorm
-from test_train import NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches
+from train_helpers import NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches
 
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
 

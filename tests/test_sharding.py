@@ -396,7 +396,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     from flax import linen as nn, nnx
     import jaxamp
     from jaxamp.sharding import collectives
-    from test_train import loss_fn, init, make_batches, leaves
+    from train_helpers import loss_fn, init, make_batches, leaves
     from test_sharding import replicated_reads
     P = jax.sharding.PartitionSpec
     assert jax.device_count() == 8, jax.devices()
@@ -728,7 +728,7 @@ sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np, optax
 import jaxamp
 from jaxamp.sharding import collectives
-from test_train import loss_fn, make_batches, leaves
+from train_helpers import loss_fn, make_batches, leaves
 from test_sharding import replicated_reads
 assert jax.device_count() == 8, jax.devices()
 mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))

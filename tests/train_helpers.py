@@ -1,0 +1,116 @@
+"""Models, losses and batches the train-step tests share."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+
+
+
+POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class NNXNet(nnx.Module):
+  """Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+  def __init__(self, rngs, *, dropout=0.0, batchnorm=True):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs) if batchnorm else None
+    self.drop = nnx.Dropout(dropout, rngs=rngs)
+    self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.l1(x)
+    if self.bn is not None:
+      h = self.bn(h)
+    return self.l2(self.drop(jax.nn.relu(h)))
+
+
+class LinenNet(nn.Module):
+  dropout: float = 0.0
+  batchnorm: bool = True
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    h = nn.Dense(16)(x)
+    if self.batchnorm:
+      h = nn.BatchNorm(use_running_average=not train)(h)
+    h = nn.Dropout(self.dropout, deterministic=not train)(jax.nn.relu(h))
+    return nn.Dense(4)(h)
+
+
+def xent(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def loss_fn(model, batch):
+  return xent(model(batch["x"]), batch["y"])
+
+
+def make_batches(n, size=16, seed=0):
+  rng = np.random.RandomState(seed)
+  return [{"x": rng.randn(size, 8).astype(np.float32),
+           "y": rng.randint(0, 4, size).astype(np.int32)} for _ in range(n)]
+
+
+def init(train, api, *, example_inputs=True, **kw):
+  """``train.init`` of NNXNet or LinenNet (with the Linen module's example inputs)."""
+  if api == "nnx":
+    return train.init(NNXNet(nnx.Rngs(0, dropout=1), **kw))
+  module = LinenNet(**kw)
+  x = jnp.zeros((2, 8))
+  variables = module.init(jax.random.key(0), x, train=False)
+  if example_inputs:
+    return train.init(module, variables, x, train=False)
+  return train.init(module, variables)
+
+
+def param_dtypes(params):
+  """``{'norm': {...}, 'other': {...}}``: the dtypes of BatchNorm's and the rest's params."""
+  out = {"norm": set(), "other": set()}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = jax.tree_util.keystr(path)
+    out["norm" if "bn" in name or "BatchNorm" in name else "other"].add(jnp.dtype(leaf.dtype))
+  return out
+
+
+def leaves(tree):
+  def host(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return [host(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_trees_equal(a, b):
+  la, lb = leaves(a), leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(x, y)
+
+
+def counting_loss(model, batch):
+  """The loss, with a count, a flag and a mean of the batch as aux."""
+  logits = model(batch["x"])
+  right = logits.argmax(-1) == batch["y"]
+  return xent(logits, batch["y"]), {"n_right": jnp.sum(right), "rows": jnp.int32(len(right)),
+                                    "saw_3": jnp.any(batch["y"] == 3),
+                                    "accuracy": jnp.mean(right.astype(jnp.float32))}
+
+
+def run_script(source, tmp_path, name, env=None):
+  path = tmp_path / name
+  path.write_text(source)
+  full_env = dict(os.environ, **(env or {}))
+  proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                        env=full_env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc.stdout
