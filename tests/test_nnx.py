@@ -520,7 +520,7 @@ def test_norms_are_recomputed_only_when_asked():
     train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b[0]).astype(jnp.float32)),
                                    optax.sgd(0.1), policy="mixed_bfloat16", **kw)
     state = train.init(make("lm"))
-    return str(jax.make_jaxpr(train._step_impl)(state, batch("lm"))).count("recompute_all")
+    return str(jax.make_jaxpr(train.step_fn)(state, batch("lm"))).count("recompute_all")
 
   assert step_remats() == 0
   assert step_remats(recompute_norms=True) > 0

@@ -171,7 +171,7 @@ def test_the_train_step_trains_as_plain_reverse_mode_bit_for_bit(api, policy):
 
   (ours, train), (plain, _) = run(True), run(False)
   assert train.plan.half_residuals
-  assert "remat" in str(jax.make_jaxpr(train._step_impl)(ours, batches[0]))
+  assert "remat" in str(jax.make_jaxpr(train.step_fn)(ours, batches[0]))
   for a, b in zip(jax.tree.leaves((ours.params, ours.model_state)),
                   jax.tree.leaves((plain.params, plain.model_state))):
     np.testing.assert_array_equal(a, b)
@@ -181,7 +181,7 @@ def test_a_float32_step_does_not_recompute():
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1))
   state = train.init(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
   assert not train.plan.half_residuals
-  assert "remat" not in str(jax.make_jaxpr(train._step_impl)(state, jnp.ones((2, 4))))
+  assert "remat" not in str(jax.make_jaxpr(train.step_fn)(state, jnp.ones((2, 4))))
 
 
 def test_nnx_with_policy_keeps_state_updates_and_sown_values_under_grad():
