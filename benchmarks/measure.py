@@ -322,7 +322,7 @@ def lower_for(c: Candidate, platform: str) -> Lowering:
       lowered = c.traced(abstract(c.state), abstract(c.batch)).lower(
           lowering_platforms=(platform,))
     seconds = time.perf_counter() - start
-    ops, _, _, _ = report_lib._parse_module(report_lib._module_text(lowered))  # pylint: disable=protected-access
+    ops, _, _, _ = report_lib._parse_module(report_lib._lowered_module(lowered))  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     return Lowering(c.impl, c.policy, platform, time.perf_counter() - start, error=_error(e))
   total = sum(op.total_flops for op in ops)

@@ -1,11 +1,12 @@
 """Inspection: did the policy reach the matmuls, and what does backward keep?
 
-:func:`precision_report` lowers a function with ``jax.jit(...).lower(...)`` and reads
-the StableHLO text. Every ``stablehlo.dot_general`` and ``stablehlo.convolution``
+:func:`precision_report` lowers a function with ``jax.jit(...).lower(...)`` and walks
+the StableHLO module through MLIR's Python bindings (ops, attributes and types, never
+the printed text). Every ``stablehlo.dot_general`` and ``stablehlo.convolution``
 becomes a :class:`MatmulOp` with its operand and result dtypes, shapes, FLOPs and how
 many times it runs. It reads the *lowered* module, not the compiled one, because
 compilers rewrite precision (XLA on CPU upcasts bfloat16 dots to float32): the
-lowered text is what the policy asked for.
+lowered module is what the policy asked for.
 
 It also traces ``jax.vjp`` to measure what reverse mode saves between the forward
 and the backward pass (the residuals), which is where half-precision activations
@@ -32,8 +33,8 @@ widened (256 B written) and the sum narrowed back (2 B).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax.extend.core import Literal
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from jaxamp.census import FP8_DTYPES, HALF_DTYPES
 
@@ -201,7 +204,7 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
                      argnums: int | Sequence[int] = 0, **kwargs: Any) -> PrecisionReport:
   """Reports the dtypes and FLOPs of every matmul ``fn(*args, **kwargs)`` lowers to.
 
-  ``fn`` is lowered with ``jax.jit(fn).lower(*args)`` and the StableHLO text is parsed.
+  ``fn`` is lowered with ``jax.jit(fn).lower(*args)`` and the StableHLO module is read.
   Args are pytrees (params dicts, ``nnx.State``, Equinox modules, whose non-array
   leaves are closed over as ``eqx.filter_jit`` does) and are traced; ``kwargs`` are
   closed over as static values (flags such as ``train=False``), so put arrays in
@@ -256,7 +259,7 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   bound = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
   target = jax.value_and_grad(bound, argnums=argnums) if backward else bound
   ops, casts, cast_bytes, unknown_loops = _parse_module(
-      _module_text(jax.jit(target).lower(*args)))
+      _lowered_module(jax.jit(target).lower(*args)))
   residuals = _residuals(bound, args, nums)
 
   total = sum(op.total_flops for op in ops)
@@ -278,15 +281,6 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
       flops_by_dtype=by_dtype, casts=casts, cast_bytes=cast_bytes, residual_bytes=saved,
       residual_bytes_with_args=with_args, residuals=shapes, unknown_trip_loops=unknown_loops,
       fp8_flops=fp8, fp8_share=fp8 / total if total else 0.0)
-
-
-def _module_text(lowered: Any) -> str:
-  """The lowered StableHLO text, with large constants (closed-over weights) elided."""
-  try:
-    module = lowered.compiler_ir("stablehlo")
-    return module.operation.get_asm(large_elements_limit=64, enable_debug_info=False)
-  except (AttributeError, TypeError):  # compiler_ir gives no guarantee on its type
-    return lowered.as_text()
 
 
 # --- residuals ------------------------------------------------------------------------
@@ -339,35 +333,35 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
   return math.prod(shape) * dtype.itemsize
 
 
-# --- StableHLO text parsing -------------------------------------------------------------
+# --- the lowered module, walked through MLIR's Python bindings ---------------------------
+#
+# The report reads the ``ir.Module`` that ``Lowered.compiler_ir('stablehlo')`` returns as
+# objects: op names, attributes (StableHLO's dimension numbers and comparison directions
+# through the dialect's own attribute classes), operand and result types, block arguments
+# and the ops that define values. Nothing depends on how a JAX or MLIR release prints it.
+# The bindings are imported from ``jaxlib.mlir``, the package those objects belong to and
+# jax itself imports: ``jax.extend.mlir``, the public module, has no ``ir``, and
+# ``jax._src.lib.mlir`` only re-exports ``jaxlib.mlir`` under a private name.
 
-_NAME = r'@("(?:[^"\\]|\\.)*"|[\w.$\-]+)'
-_FUNC = re.compile(r"\bfunc\.func\s+(?:\w+\s+)?" + _NAME)
-_CALL = re.compile(r"(?<![\w.])(?:func\.)?call\s+" + _NAME + r"|\bdecomposition\s*=\s*" + _NAME)
-_DEF = re.compile(r"^\s*(%[\w$.\-]+)(?::\d+)?\s*=\s*\"?([\w.]+)\"?(.*)$")
-_STRING = re.compile(r'(?<!@)"(?:[^"\\]|\\.)*"')  # keeps quoted @"symbol" names
-_WHILE_ARGS = re.compile(r"stablehlo\.while\((.*?)\)\s*:")
-_CONSTANT = re.compile(r"^\s*dense<(-?\d+)>\s*:\s*tensor<[su]?i\d+>")
-_COMPARE = re.compile(r"^\s*(\w+),\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)")
-_BINARY = re.compile(r"^\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)\s*:")
-_RETURN = re.compile(r"^\s*stablehlo\.return\s+([^:]*)")
-_CONTRACT = re.compile(
-    r"(?:\bcontracting_dims\s*=|\blhs_contracting_dimensions\s*=)\s*\[([\d,\s]*)\]")
-_KERNEL_DIMS = re.compile(r"\]\s*x\s*\[([^\]]*)\]")
-_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-           "i1": "bool", "complex<f32>": "complex64", "complex<f64>": "complex128",
-           "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2",
-           "f8E4M3FNUZ": "float8_e4m3fnuz", "f8E5M2FNUZ": "float8_e5m2fnuz"}
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+_FLOATS = (("BF16Type", "bfloat16"), ("F16Type", "float16"), ("F32Type", "float32"),
+           ("F64Type", "float64"), ("FloatTF32Type", "tf32"),
+           ("Float8E4M3FNType", "float8_e4m3fn"), ("Float8E5M2Type", "float8_e5m2"),
+           ("Float8E4M3FNUZType", "float8_e4m3fnuz"), ("Float8E5M2FNUZType", "float8_e5m2fnuz"),
+           ("Float8E4M3B11FNUZType", "float8_e4m3b11fnuz"), ("Float8E4M3Type", "float8_e4m3"),
+           ("Float8E3M4Type", "float8_e3m4"), ("Float8E8M0FNUType", "float8_e8m0fnu"),
+           ("Float4E2M1FNType", "float4_e2m1fn"), ("Float6E2M3FNType", "float6_e2m3fn"),
+           ("Float6E3M2FNType", "float6_e3m2fn"))
+# Types a jaxlib release lacks are left out rather than failing the import.
+_FLOAT_TYPES = tuple((getattr(ir, cls), name) for cls, name in _FLOATS if hasattr(ir, cls))
 
 
 class _Loop:
   """A ``stablehlo.while`` whose trip count is worked out from its regions."""
 
-  def __init__(self, inits: dict[str, int | None]):
-    self.inits = inits  # iter arg name -> constant initial value (None: not constant)
-    self.order = list(inits)
-    self.regions = 0
-    self.compare: tuple[str, str, int] | None = None  # (direction, counter, limit)
+  def __init__(self, inits: dict[int, int | None]):
+    self.inits = inits  # iter arg position -> constant initial value (None: not constant)
+    self.compare: tuple[str, int, int] | None = None  # (direction, counter, limit)
     self.step: int | None = None
 
   @property
@@ -392,77 +386,57 @@ class _Loop:
     return None
 
 
-class _Frame:
-  def __init__(self, kind: str, loop: _Loop | None = None):
-    self.kind = kind  # 'module', 'func', 'cond', 'body' or 'region'
-    self.loop = loop
-    self.defs: dict[str, tuple[str, str]] = {}  # %name -> (op name, rest of line)
-    self.pending: _Loop | None = None  # a while op whose regions come next
+@dataclasses.dataclass
+class _Body:
+  """What one function holds, each entry with the loops around it in that function."""
+
+  ops: list[tuple[MatmulOp, tuple[_Loop, ...]]] = dataclasses.field(default_factory=list)
+  casts: list[tuple[tuple[_Loop, ...], int]] = dataclasses.field(default_factory=list)
+  calls: list[tuple[str, tuple[_Loop, ...]]] = dataclasses.field(default_factory=list)
+  loops: list[_Loop] = dataclasses.field(default_factory=list)
 
 
-_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+def _lowered_module(lowered: Any) -> ir.Module:
+  """The lowered StableHLO module as MLIR objects."""
+  module = lowered.compiler_ir("stablehlo")
+  if not isinstance(module, ir.Module):  # compiler_ir gives no guarantee on its type
+    module = ir.Module.parse(lowered.as_text(), _context())
+  return module
 
 
-def _parse_module(text: str) -> tuple[list[MatmulOp], int, int, int]:
+def _module_text(lowered: Any) -> str:
+  """The lowered StableHLO text, large constants elided: for reading, not for the report."""
+  return _lowered_module(lowered).operation.get_asm(large_elements_limit=64,
+                                                     enable_debug_info=False)
+
+
+@functools.cache
+def _context() -> ir.Context:
+  """An MLIR context that knows every dialect jax lowers to, for modules given as text.
+
+  jax makes one for each lowering; the bindings have no public way to register its
+  dialects (``func``, ``stablehlo``, ``chlo``, ``sdy``, ...) in a new one.
+  """
+  return jax.jit(lambda: 0).lower().compiler_ir("stablehlo").context
+
+
+def _parse_module(module: ir.Module | str) -> tuple[list[MatmulOp], int, int, int]:
   """(ops with multiplicities, executed float casts, bytes they write, loops with
-  unknown trip count)."""
-  # Per function: matmul entries, casts and calls, each with its enclosing loops.
-  funcs: dict[str, dict[str, list]] = {}
+  unknown trip count) of a lowered module; text is parsed by MLIR's own parser."""
+  if isinstance(module, str):
+    module = ir.Module.parse(module, _context())
+  funcs: dict[str, _Body] = {}
   public: list[str] = []
-  stack: list[_Frame] = []
-  current: dict[str, list] | None = None
-
-  def lookup(name: str) -> tuple[str, str] | None:
-    for frame in reversed(stack):
-      if name in frame.defs:
-        return frame.defs[name]
-      if frame.kind == "func":
-        break  # functions are isolated from above
-    return None
-
-  def constant(name: str) -> int | None:
-    found = lookup(name)
-    if found is None or found[0] != "stablehlo.constant":
-      return None
-    m = _CONSTANT.match(found[1])
-    return int(m.group(1)) if m else None
-
-  def loops() -> tuple[_Loop, ...]:
-    return tuple(f.loop for f in stack if f.loop is not None)
-
-  for raw in text.splitlines():
-    code = _STRING.sub('""', raw)
-    opens, closes = 0, 0
-    for ch in code:
-      if ch == "{":
-        opens += 1
-      elif ch == "}":
-        if opens:
-          opens -= 1
-        else:
-          closes += 1
-    del stack[max(0, len(stack) - closes):]
-
-    func = _FUNC.search(code)
-    if func:
-      name = func.group(1)
-      current = funcs.setdefault(name, {"ops": [], "casts": [], "calls": [], "loops": []})
-      if re.search(r"\bfunc\.func\s+public\b", code) or name == "main":
-        public.append(name)
-    elif current is not None and stack:
-      _parse_line(raw, code, stack, current, loops(), lookup, constant)
-
-    for _ in range(opens):
-      parent = stack[-1] if stack else None
-      loop = parent.pending if parent is not None and not func else None
-      if loop is not None:
-        # The first two regions after a while op are its condition and its body.
-        loop.regions += 1
-        if loop.regions == 2:
-          parent.pending = None
-        stack.append(_Frame("cond" if loop.regions == 1 else "body", loop))
-      else:
-        stack.append(_Frame("func" if func else "module" if not stack else "region"))
+  for func in _functions(module.operation):
+    name = ir.StringAttr(func.attributes["sym_name"]).value
+    body = funcs.setdefault(name, _Body())
+    visibility = (ir.StringAttr(func.attributes["sym_visibility"]).value
+                  if "sym_visibility" in func.attributes else "public")
+    if visibility == "public" or name == "main":
+      public.append(name)
+    for region in func.regions:
+      for block in region.blocks:
+        _walk(block, body, ())
 
   counts = _call_counts(funcs, public)
   ops: list[MatmulOp] = []
@@ -471,80 +445,122 @@ def _parse_module(text: str) -> tuple[list[MatmulOp], int, int, int]:
     count = counts.get(name, 0)
     if not count:
       continue
-    for op, around in body["ops"]:
-      ops.append(op._replace(multiplicity=count * _trips(around), function=name.strip('"')))
-    casts += sum(count * _trips(around) for around, _ in body["casts"])
-    cast_bytes += sum(count * _trips(around) * nbytes for around, nbytes in body["casts"])
-    unknown += sum(1 for loop in body["loops"] if loop.trips is None)
+    for op, around in body.ops:
+      ops.append(op._replace(multiplicity=count * _trips(around), function=name))
+    casts += sum(count * _trips(around) for around, _ in body.casts)
+    cast_bytes += sum(count * _trips(around) * nbytes for around, nbytes in body.casts)
+    unknown += sum(1 for loop in body.loops if loop.trips is None)
   return ops, casts, cast_bytes, unknown
 
 
-def _parse_line(raw: str, code: str, stack: list[_Frame], current: dict[str, list],
-                around: tuple[_Loop, ...], lookup, constant) -> None:
-  """Records what one line of a function body holds: a def, calls, a loop, an op."""
-  frame = stack[-1]
-  m = _DEF.match(code)
-  if m:
-    frame.defs[m.group(1)] = (m.group(2), m.group(3))
-  stripped = code.strip()
-  if frame.kind in ("cond", "body") and stripped.startswith("stablehlo.return"):
-    _close_region(frame, _RETURN.match(stripped).group(1), lookup, constant)
-  for call in _CALL.finditer(code):
-    current["calls"].append((call.group(1) or call.group(2), around))
-  if re.search(r"\bstablehlo\.while\b", code):
-    args = _WHILE_ARGS.search(code)
-    inits: dict[str, int | None] = {}
-    if args:
-      for pair in args.group(1).split(","):
-        lhs, _, rhs = pair.partition("=")
-        inits[lhs.strip()] = constant(rhs.strip())
-    frame.pending = _Loop(inits)
-    current["loops"].append(frame.pending)
-  elif re.search(r"\bstablehlo\.(dot_general|convolution)\b", code):
-    op = _matmul(raw)
-    if op is not None:
-      current["ops"].append((op, around))
-  elif re.search(r"\bstablehlo\.convert\b", code):
-    types = _signature(raw)
-    if types and len(types[0]) == 1 and _is_float(types[0][0][1]) and _is_float(types[1][1]):
-      shape, dtype = types[1]
-      nbytes = math.prod(shape) * _itemsize(dtype) if min(shape, default=0) >= 0 else 0
-      current["casts"].append((around, nbytes))
+def _functions(op: ir.Operation):
+  """The ``func.func`` ops of a module, nested modules included."""
+  for region in op.regions:
+    for block in region.blocks:
+      for child in block.operations:
+        child = child.operation
+        if child.name == "func.func":
+          yield child
+        elif child.name == "builtin.module":
+          yield from _functions(child)
 
 
-def _close_region(frame: _Frame, returned: str, lookup, constant) -> None:
-  """Reads a loop's condition or its counter step from the region's return."""
-  loop = frame.loop
-  values = [v.strip() for v in returned.split(",") if v.strip()]
-  if frame.kind == "cond":
-    found = lookup(values[0]) if len(values) == 1 else None
-    m = _COMPARE.match(found[1]) if found and found[0] == "stablehlo.compare" else None
-    if m is None:
-      return
-    direction, a, b = m.groups()
-    if a in loop.inits and constant(b) is not None:
-      loop.compare = (direction, a, constant(b))
-    elif b in loop.inits and constant(a) is not None:
-      loop.compare = (_FLIP.get(direction, direction), b, constant(a))
-    return
-  if loop.compare is None or loop.compare[1] not in loop.order:
-    return
-  index = loop.order.index(loop.compare[1])
-  if index >= len(values):
-    return
+def _walk(block: ir.Block, body: _Body, around: tuple[_Loop, ...]) -> None:
+  """Records the calls, loops, matmuls and float casts of a block and its regions."""
+  for op in block.operations:
+    op = op.operation
+    name = op.name
+    for key in ("callee", "decomposition"):  # func.call; stablehlo.composite
+      symbol = op.attributes[key] if key in op.attributes else None
+      if isinstance(symbol, ir.FlatSymbolRefAttr):
+        body.calls.append((symbol.value, around))
+    inner = around
+    if name == "stablehlo.while":
+      loop = _loop(op)
+      body.loops.append(loop)
+      inner = (*around, loop)
+    elif name in ("stablehlo.dot_general", "stablehlo.convolution"):
+      matmul = _matmul(op)
+      if matmul is not None:
+        body.ops.append((matmul, around))
+    elif name == "stablehlo.convert":
+      source, result = _tensor(op.operands[0].type), _tensor(op.results[0].type)
+      if (source and result and _is_float(source[1]) and _is_float(result[1])
+          and source[1] != result[1]):  # jax emits float32 -> float32 converts too
+        shape, dtype = result
+        nbytes = math.prod(shape) * _itemsize(dtype) if min(shape, default=0) >= 0 else 0
+        body.casts.append((around, nbytes))
+    for region in op.regions:
+      for inner_block in region.blocks:
+        _walk(inner_block, body, inner)
+
+
+def _loop(op: ir.Operation) -> _Loop:
+  """A while loop's counter: its initial value, its bound and its step, where constant.
+
+  The condition must return ``compare(counter, constant)`` (either order) and the body
+  must return ``counter + constant`` or ``counter - constant`` in the counter's place.
+  """
+  loop = _Loop({i: _constant(v) for i, v in enumerate(op.operands)})
+  cond, body = (region.blocks[0] for region in op.regions)
+  condition = _returned(cond)
+  compare = _defining(condition[0]) if len(condition) == 1 else None
+  if compare is None or compare.name != "stablehlo.compare":
+    return loop
+  direction = hlo.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
+  a, b = compare.operands
+  if _argument(a, cond) is not None and _constant(b) is not None:
+    loop.compare = (direction, _argument(a, cond), _constant(b))
+  elif _argument(b, cond) is not None and _constant(a) is not None:
+    loop.compare = (_FLIP.get(direction, direction), _argument(b, cond), _constant(a))
+  else:
+    return loop
   counter = loop.compare[1]
-  found = lookup(values[index])
-  m = _BINARY.match(found[1]) if found else None
-  if m is None:
-    return
-  a, b = m.groups()
-  if found[0] == "stablehlo.add":
-    if a == counter and constant(b) is not None:
-      loop.step = constant(b)
-    elif b == counter and constant(a) is not None:
-      loop.step = constant(a)
-  elif found[0] == "stablehlo.subtract" and a == counter and constant(b) is not None:
-    loop.step = -constant(b)
+  returned = _returned(body)
+  update = _defining(returned[counter]) if counter < len(returned) else None
+  if update is None or len(update.operands) != 2:
+    return loop
+  a, b = update.operands
+  if update.name == "stablehlo.add":
+    if _argument(a, body) == counter and _constant(b) is not None:
+      loop.step = _constant(b)
+    elif _argument(b, body) == counter and _constant(a) is not None:
+      loop.step = _constant(a)
+  elif update.name == "stablehlo.subtract":
+    if _argument(a, body) == counter and _constant(b) is not None:
+      loop.step = -_constant(b)
+  return loop
+
+
+def _returned(block: ir.Block) -> list[ir.Value]:
+  """The values a region's block returns (its terminator's operands)."""
+  ops = block.operations
+  return list(ops[len(ops) - 1].operation.operands) if len(ops) else []
+
+
+def _defining(value: ir.Value) -> ir.Operation | None:
+  """The op that produced ``value``; None for a block argument."""
+  return value.owner.operation if isinstance(value, ir.OpResult) else None
+
+
+def _argument(value: ir.Value, block: ir.Block) -> int | None:
+  """``value``'s position among ``block``'s arguments, if it is one of them."""
+  if isinstance(value, ir.BlockArgument) and value.owner == block:
+    return value.arg_number
+  return None
+
+
+def _constant(value: ir.Value) -> int | None:
+  """The integer a scalar ``stablehlo.constant`` holds (not a boolean), else None."""
+  op = _defining(value)
+  if op is None or op.name != "stablehlo.constant":
+    return None
+  attr, kind = op.attributes["value"], value.type
+  if not (isinstance(kind, ir.RankedTensorType) and kind.rank == 0
+          and isinstance(kind.element_type, ir.IntegerType) and kind.element_type.width > 1
+          and isinstance(attr, ir.DenseIntElementsAttr)):
+    return None
+  return ir.IntegerAttr(attr.get_splat_value()).value
 
 
 def _trips(loops: tuple[_Loop, ...]) -> int:
@@ -555,12 +571,12 @@ def _trips(loops: tuple[_Loop, ...]) -> int:
   return n
 
 
-def _call_counts(funcs: dict[str, dict[str, list]], public: list[str]) -> dict[str, int]:
+def _call_counts(funcs: dict[str, _Body], public: list[str]) -> dict[str, int]:
   """How often each function runs when the entry function runs once."""
   entry = "main" if "main" in funcs else (public[0] if public else next(iter(funcs), None))
   callers: dict[str, list[tuple[str, int]]] = {}
   for name, body in funcs.items():
-    for callee, around in body["calls"]:
+    for callee, around in body.calls:
       callers.setdefault(callee, []).append((name, _trips(around)))
   counts: dict[str, int] = {}
 
@@ -578,42 +594,34 @@ def _call_counts(funcs: dict[str, dict[str, list]], public: list[str]) -> dict[s
   return {name: count(name, frozenset()) for name in funcs}
 
 
-def _split_top(s: str) -> list[str]:
-  """Splits on commas outside any brackets."""
-  parts, depth, start = [], 0, 0
-  for i, ch in enumerate(s):
-    if ch in "<([{":
-      depth += 1
-    elif ch in ">)]}":
-      depth -= 1
-    elif ch == "," and depth == 0:
-      parts.append(s[start:i])
-      start = i + 1
-  parts.append(s[start:])
-  return [p.strip() for p in parts if p.strip()]
+def _tensor(t: ir.Type | str) -> tuple[tuple[int, ...], str] | None:
+  """A ranked tensor type's ``(shape, dtype name)``; dynamic dims become -1.
 
-
-def _tensor(t: str) -> tuple[tuple[int, ...], str] | None:
-  """``'tensor<4x8xbf16>'`` -> ``((4, 8), 'bfloat16')``; dynamic dims become -1."""
-  t = t.strip()
-  if not (t.startswith("tensor<") and t.endswith(">")):
+  ``_tensor('tensor<?x8xbf16>') == ((-1, 8), 'bfloat16')``: text is parsed by MLIR.
+  """
+  if isinstance(t, str):
+    t = ir.Type.parse(t, _context())
+  if not isinstance(t, ir.RankedTensorType):
     return None
-  inner = _split_top(t[len("tensor<"):-1])[0]
-  m = re.match(r"^((?:(?:\d+|\?)x)*)(.+)$", inner)
-  dims = tuple(-1 if d == "?" else int(d) for d in m.group(1).split("x") if d)
-  return dims, _mlir_dtype(m.group(2))
+  dims = tuple(-1 if t.is_dynamic_dim(i) else d for i, d in enumerate(t.shape))
+  return dims, _mlir_dtype(t.element_type)
 
 
-def _mlir_dtype(t: str) -> str:
-  if t in _DTYPES:
-    return _DTYPES[t]
-  m = re.fullmatch(r"(u?)i(\d+)", t) or re.fullmatch(r"(s)i(\d+)", t)
-  if m:
-    return f"{'uint' if m.group(1) == 'u' else 'int'}{m.group(2)}"
-  m = re.fullmatch(r"f(\d+)(E\d+M\d+\w*)", t)
-  if m:  # f8E4M3FN -> float8_e4m3fn, as ml_dtypes names them
-    return f"float{m.group(1)}_{m.group(2).lower()}"
-  return t
+def _mlir_dtype(t: ir.Type | str) -> str:
+  """An MLIR element type's dtype name, as numpy and ml_dtypes spell it (``bf16``:
+  ``'bfloat16'``, ``ui8``: ``'uint8'``); unknown types keep their MLIR spelling."""
+  if isinstance(t, str):
+    t = ir.Type.parse(t, _context())
+  for cls, name in _FLOAT_TYPES:
+    if isinstance(t, cls):
+      return name
+  if isinstance(t, ir.IntegerType):
+    return "bool" if t.width == 1 else f"{'uint' if t.is_unsigned else 'int'}{t.width}"
+  if isinstance(t, ir.ComplexType):
+    part = _mlir_dtype(t.element_type)
+    if part in ("float32", "float64"):
+      return f"complex{2 * int(part[len('float'):])}"
+  return str(t)
 
 
 def _itemsize(dtype: str) -> int:
@@ -627,53 +635,28 @@ def _is_float(dtype: str) -> bool:
   return dtype.startswith(("float", "bfloat")) or dtype == "tf32"
 
 
-def _signature(line: str):
-  """The trailing ``: (in types) -> out type`` of an op line, parsed."""
-  line = re.sub(r"\s+loc\(.*\)\s*$", "", line.rstrip())
-  arrow = line.rfind("->")
-  if arrow < 0:
+def _matmul(op: ir.Operation) -> MatmulOp | None:
+  """A ``dot_general`` or ``convolution`` op as a :class:`MatmulOp` run once."""
+  if len(op.operands) < 2:
     return None
-  close = line.rfind(")", 0, arrow)
-  depth, i = 0, close
-  while i >= 0:
-    depth += {")": 1, "(": -1}.get(line[i], 0)
-    if depth == 0:
-      break
-    i -= 1
-  if i < 0:
+  lhs, rhs, out = (_tensor(v.type) for v in (*op.operands[:2], op.results[0]))
+  if lhs is None or rhs is None or out is None:
     return None
-  ins = [_tensor(t) for t in _split_top(line[i + 1:close])]
-  out = _split_top(line[arrow + 2:].strip().strip("()"))
-  result = _tensor(out[0]) if out else None
-  if result is None or any(t is None for t in ins):
-    return None
-  return ins, result
-
-
-def _matmul(line: str) -> MatmulOp | None:
-  types = _signature(line)
-  if types is None or len(types[0]) < 2:
-    return None
-  (lhs_shape, lhs), (rhs_shape, rhs) = types[0][:2]
-  out_shape, out = types[1]
-  if "stablehlo.dot_general" in line:
+  (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype), (out_shape, out_dtype) = lhs, rhs, out
+  if op.name == "stablehlo.dot_general":
     kind = "dot_general"
-    m = _CONTRACT.search(line)
-    dims = [int(d) for d in m.group(1).split(",") if d.strip()] if m else []
-    reduced = math.prod(lhs_shape[d] for d in dims)
+    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    reduced = math.prod(lhs_shape[d] for d in dims.lhs_contracting_dimensions)
   else:
     kind = "convolution"
-    m = _KERNEL_DIMS.search(line)
-    labels = [d.strip() for d in m.group(1).split(",")] if m else []
-    if "o" in labels and len(labels) == len(rhs_shape):
-      out_features = rhs_shape[labels.index("o")]
-    else:
-      out_features = rhs_shape[-1]  # HWIO, jax's usual kernel layout
+    dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    out_features = rhs_shape[dims.kernel_output_feature_dimension]
     reduced = math.prod(rhs_shape) // max(out_features, 1)
   flops = 2 * math.prod(out_shape) * reduced
   if any(d < 0 for d in (*lhs_shape, *rhs_shape, *out_shape)):
     flops = 0  # dynamic shapes: unknown
-  return MatmulOp(kind, lhs, rhs, out, lhs_shape, rhs_shape, out_shape, flops, 1, "")
+  return MatmulOp(kind, lhs_dtype, rhs_dtype, out_dtype, lhs_shape, rhs_shape, out_shape,
+                  flops, 1, "")
 
 
 # --- formatting ---------------------------------------------------------------------------

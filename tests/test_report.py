@@ -1,9 +1,11 @@
 """Tests for jaxamp.report: FLOPs, dtypes, multiplicities, casts and residuals."""
 
+import collections
 import contextlib
 import io
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -312,6 +314,75 @@ def test_bad_argnums_is_an_error():
     jaxamp.precision_report(_matmul, _ones(2, 2), _ones(2, 2), argnums=2)
 
 
+# --- the module is read as MLIR objects, not as text ------------------------------------
+
+
+def test_function_names_are_symbols_not_printed_text():
+  # Printed, this name reads as an op to a text parser (and its quote as an escape);
+  # as a symbol it is just a name: one dot, run twice, in a function called that.
+  def layer(x, w):
+    return x @ w
+
+  layer.__name__ = 'stablehlo.dot_general "layer"'
+  inner = jax.jit(layer)
+  r = jaxamp.precision_report(lambda x, w: inner(inner(x, w), w), _ones(4, 8), _ones(8, 8))
+  (op,) = r.ops
+  assert (op.function, op.multiplicity, op.flops) == (layer.__name__, 2, 512)
+
+
+def test_composite_decomposition_counts_per_call():
+  # lax.composite lowers to stablehlo.composite naming its decomposition, a function.
+  matmul = lax.composite(_matmul, name="my.matmul")
+  f = lambda ws, x: lax.scan(lambda c, w: (matmul(c, w), None), x, ws)[0]
+  with warnings.catch_warnings():  # composites may have no JVP rule: no residuals then
+    warnings.simplefilter("ignore", RuntimeWarning)
+    (op,) = jaxamp.precision_report(f, _ones(3, 8, 8), _ones(4, 8)).ops
+  assert (op.function, op.multiplicity) == ("my.matmul", 3)
+
+
+def _jaxpr_dots(jaxpr, runs=1):
+  """jax's own account: each ``dot_general`` eqn's dtypes, shapes, FLOPs and runs, in
+  sub-jaxprs too (a scan body runs ``length`` times)."""
+  dots = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs, rhs), (out,) = [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+      (contracting, _), _ = eqn.params["dimension_numbers"]
+      flops = 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+      dots.append(((lhs.dtype.name, rhs.dtype.name, out.dtype.name, lhs.shape, rhs.shape,
+                    out.shape, flops), runs))
+    inner = runs * eqn.params["length"] if eqn.primitive.name == "scan" else runs
+    for param in eqn.params.values():
+      sub = getattr(param, "jaxpr", param)
+      if isinstance(sub, jax.extend.core.Jaxpr):
+        dots += _jaxpr_dots(sub, inner)
+  return dots
+
+
+def _mlp_then_scan(params, x):
+  h = jnp.tanh(x.astype(BF16) @ params["w1"].astype(BF16))
+  h = lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["ws"].astype(BF16))[0]
+  # No preferred_element_type: its backward dots mix dtypes in the jaxpr, and lowering
+  # converts their operands to a common one first.
+  return (h @ params["w2"].astype(BF16)).astype(F32).sum()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_ops_agree_with_the_jaxprs_dot_generals(backward):
+  params = {"w1": _ones(8, 16), "ws": _ones(3, 16, 16), "w2": _ones(16, 4)}
+  fn = jax.value_and_grad(_mlp_then_scan) if backward else _mlp_then_scan
+  r = jaxamp.precision_report(_mlp_then_scan, params, _ones(2, 8), backward=backward)
+  mine = collections.Counter()
+  for op in r.ops:
+    mine[(op.lhs_dtype, op.rhs_dtype, op.result_dtype, op.lhs_shape, op.rhs_shape,
+          op.result_shape, op.flops)] += op.multiplicity
+  jaxs = collections.Counter()
+  for key, runs in _jaxpr_dots(jax.make_jaxpr(fn)(params, _ones(2, 8)).jaxpr):
+    jaxs[key] += runs
+  assert mine == jaxs
+  assert sum(jaxs.values()) == (5 if not backward else 5 + 9)  # 2 + 3 scanned; dx, dw
+
+
 # --- parser details on text, for formats other jax versions print ----------------------
 
 
@@ -340,7 +411,7 @@ module @m {
       %1 = stablehlo.compare  GT, %iterArg, %c_1,  SIGNED : (tensor<i64>, tensor<i64>) -> tensor<i1>
       stablehlo.return %1 : tensor<i1>
     } do {
-      %1 = call @"my fn"(%iterArg_0) : (tensor<4x8xbf16>) -> tensor<4x8xbf16>
+      %1 = func.call @"my fn"(%iterArg_0) : (tensor<4x8xbf16>) -> tensor<4x8xbf16>
       %c_1 = stablehlo.constant dense<2> : tensor<i64>
       %2 = stablehlo.subtract %iterArg, %c_1 : tensor<i64>
       stablehlo.return %2, %1 : tensor<i64>, tensor<4x8xbf16>
@@ -348,11 +419,12 @@ module @m {
     return %0#1 : tensor<4x8xbf16>
   }
   func.func private @"my fn"(%arg0: tensor<4x8xbf16>) -> tensor<4x8xbf16> {
-    %0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT], algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16, accumulation_type = f32> : (tensor<4x8xbf16>, tensor<4x8xbf16>) -> tensor<4x4xf32> loc(#loc3)
+    %0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT], algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16, accumulation_type = f32, lhs_component_count = 1, rhs_component_count = 1, num_primitive_operations = 1, allow_imprecise_accumulation = false> : (tensor<4x8xbf16>, tensor<4x8xbf16>) -> tensor<4x4xf32> loc(#loc3)
     %1 = stablehlo.convert %0 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
     return %arg0 : tensor<4x8xbf16>
   }
 }
+#loc3 = loc("model.py":12:3)
 """
 
 
