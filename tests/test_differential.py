@@ -306,17 +306,25 @@ print('RESULT', json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def differences(tmp_path_factory):
-  path = tmp_path_factory.mktemp("differential") / "layouts.py"
+def _run_differences(folder):
+  path = folder / "layouts.py"
   path.write_text(_SCRIPT)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS="--xla_force_host_platform_device_count=8 "
                        "--xla_backend_optimization_level=0")
   proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                         env=env, timeout=300)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][0]
+  (folder / "output.txt").write_text(proc.stdout + proc.stderr)
+  (folder / "returncode").write_text(str(proc.returncode))
+
+
+@pytest.fixture(scope="module")
+def differences(once_per_run):
+  # One 8-device run per pytest run, however many xdist workers read its results.
+  folder = once_per_run("differential", _run_differences)
+  output = (folder / "output.txt").read_text()
+  assert (folder / "returncode").read_text() == "0", output
+  line = [l for l in output.splitlines() if l.startswith("RESULT ")][0]
   return json.loads(line[len("RESULT "):])
 
 

@@ -238,6 +238,7 @@ def test_a_module_that_casts_to_float32_itself_is_named_in_a_warning(fresh_warni
 # --- the train step ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_lm_trains_in_bfloat16_to_within_2_percent_of_float32(runs):
   losses = {p: float(history[-1][2]["loss"]) for p, (_, _, history) in runs.items()}
   first = float(runs["float32"][2][0][2]["loss"])
@@ -259,6 +260,7 @@ def test_the_step_runs_over_99_percent_of_matmul_flops_in_half_precision(runs, b
   assert report.half_share >= 0.99 and report.total_flops == step.total_flops
 
 
+@pytest.mark.slow
 def test_an_injected_inf_is_skipped_exactly_and_resumes_bit_identically(batches, tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**10, growth_interval=1000), optax.adam(1e-2))

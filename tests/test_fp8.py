@@ -121,6 +121,7 @@ def test_fp8_on_cpu_warns_once(fresh_warnings):
 # --- numerics against the reference --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_delayed_scaling_matches_reference_every_step():
   """Margin 1, a history of 3 over 5 steps (entries fall out): the amax history and the
   scales after every step equal the reference's, and every forward product equals the
@@ -194,6 +195,7 @@ def test_overflow_step_keeps_fp8_state_bit_identical():
   assert not np.array_equal(np.asarray(state.fp8[""].amax_history), before[0][""].amax_history)
 
 
+@pytest.mark.slow
 def test_float16_compute_overflowing_gradient_skips_as_mixed_float16():
   """FP8 with float16 compute: a loss-scaled output gradient past float16's range (inf)
   must not come out of the E5M2 cast clipped to 57344 and finite. The steps skip and the
@@ -229,6 +231,7 @@ def test_float16_compute_overflowing_gradient_skips_as_mixed_float16():
     assert np.linalg.norm(update - ref) < 0.1 * np.linalg.norm(ref), policy
 
 
+@pytest.mark.slow
 def test_nonfinite_amax_is_recorded_as_what_the_dot_used():
   """An input holding inf is clipped to 448 by the E4M3 cast (as in Transformer Engine);
   its history records the largest value the dot used (448 / scale), not inf, which
@@ -321,6 +324,7 @@ def test_module_run_twice_is_refused():
     train.step(state, jnp.ones((2, 4)))
 
 
+@pytest.mark.slow
 def test_linen_dense_state_and_lowering():
   class M(nn.Module):
     @nn.compact
@@ -454,6 +458,7 @@ print("FP8-MESH-OK")
 """
 
 
+@pytest.mark.slow
 def test_fp8_with_a_mesh_maxes_amaxes_across_devices(tmp_path):
   """Data parallel and FSDP on 4 CPU devices: the amaxes are the whole batch's (each
   device's maxed over the mesh), every device holds the same FP8 state, and the steps
@@ -585,6 +590,7 @@ def test_nnx_layers_inside_scan_fall_back_to_current_scaling(fresh_warnings):
   assert text.count("f8E4M3FN") >= 2  # the scanned layers' dots too
 
 
+@pytest.mark.slow
 def test_nnx_layers_with_state_give_no_current_scaling_warning(fresh_warnings):
   """The float32-matmul census the first step traces on a copy of the model (whose
   modules have no state) must not warn that the FP8 layers lack state: they have it."""

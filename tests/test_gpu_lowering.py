@@ -20,6 +20,9 @@ import linen_models
 import nnx_models
 from jaxamp import report as report_lib
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 HALF = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16", "O1": "float16"}
 
 

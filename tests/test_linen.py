@@ -351,6 +351,7 @@ def test_norm_default_is_overridable():
     assert overridden.apply(variables, x).dtype == BF16
 
 
+@pytest.mark.slow
 def test_policy_none_takes_the_global_policy_at_wrap_time():
   with jaxamp.policy_scope("mixed_bfloat16"):
     model = jl.with_policy(Net())
@@ -396,6 +397,7 @@ LIFTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LIFTED))
 def test_lifted_transforms_under_jit(name):
   module, mutable = LIFTED[name]
@@ -501,6 +503,7 @@ def cnn_setup():
   return images, labels, init(models.CNN(), images)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(MIXED))
 def test_half_flop_share_forward_and_backward(policy, lm_setup, cnn_setup):
   ids, params = lm_setup

@@ -211,6 +211,7 @@ class Raw(nnx.Module):
     return jnp.tanh(x @ self.w[...]) * self.extra[0][...]
 
 
+@pytest.mark.slow
 def test_user_module_with_raw_param_computes_in_half_and_grads_are_float32():
   model = Raw(nnx.Rngs(0))
   amp = with_policy(model, "mixed_bfloat16")
@@ -504,6 +505,7 @@ def test_activation_memory_is_below_hand_set_bfloat16(kind):
   assert saved["recompute"] == saved["mixed"], saved
 
 
+@pytest.mark.slow
 def test_norms_are_recomputed_only_when_asked():
   """recompute_norms=True puts each float32 norm under jax.checkpoint (its policy
   jaxamp.residuals.recompute_all); the default and make_train_step's default do not."""
@@ -594,6 +596,7 @@ def test_attention_decoding_cache_keeps_its_dtype():
   close(layer.cached_value[...], ref.cached_value[...], LAYER_TOL[BF16])
 
 
+@pytest.mark.slow
 def test_a_cache_the_module_accumulates_into_keeps_its_dtype_while_computing():
   class Running(nnx.Module):  # a float32 running sum and count, as a streaming decoder keeps
     def __init__(self):
@@ -646,6 +649,7 @@ def test_half_dot_product_attention_matches_flax():
   assert report.half_share == 1.0 and len(report.ops) == 4
 
 
+@pytest.mark.slow
 def test_submodules_reached_through_the_wrapper_run_under_the_policy():
   model = TransformerLM(vocab=16, d=8, heads=2, hidden=16, layers=2, max_len=8,
                         rngs=nnx.Rngs(0))

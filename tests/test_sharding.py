@@ -165,6 +165,7 @@ def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sha
     np.testing.assert_allclose(sharded[key], one[key], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_auto():
   """A tied head reading another module's table through self.variables (as Hugging
   Face's Flax LMs do) sees the slice's box, not an array: 'auto' then gathers the whole

@@ -68,6 +68,7 @@ def test_wrapper_policy_is_used():
   assert jaxamp.summary(wrapped).policy == "mixed_float16"
 
 
+@pytest.mark.slow
 def test_linen_rows_from_module_and_example_inputs():
   module = linen_models.TransformerLM()
   ids = linen_models.token_batch()

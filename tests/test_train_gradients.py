@@ -105,6 +105,7 @@ def test_linen_model_that_draws_no_key_gets_no_key_work(dropout):
   assert (" xor(" in compiled) == bool(dropout)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_one_big_batch():
   batch = make_batches(1, size=32)[0]
   results = {}
@@ -177,6 +178,7 @@ def test_grad_accumulation_scales_each_micro_batch_so_float16_overflows_no_soone
     np.testing.assert_array_equal(state.params["w"][...], np.full((8, 4), 2.0 - 2.0**-10))
 
 
+@pytest.mark.slow
 def test_the_loss_reaches_reduce_on_plateau_as_optax_value():
   """optax.contrib.reduce_on_plateau reads the loss as the update's ``value``: the step
   passes its (unscaled) loss, so the plateau state follows the same losses as a plain
@@ -275,6 +277,7 @@ def test_keys_ints_and_bools_in_the_batch_reach_loss_fn_unchanged(kw):
   assert seen and all(s == want for s in seen), seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("float32_outputs", [True, False])
 def test_an_nnx_loss_fn_can_take_the_models_state(float32_outputs, policy):

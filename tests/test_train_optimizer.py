@@ -38,6 +38,7 @@ def test_loss_scale_after_clipping_is_refused():
 # --- misuse and injected faults: each trained wrongly in silence before ------------------
 
 
+@pytest.mark.slow
 def test_multisteps_outside_the_loss_scale_skips_one_micro_batch_in_the_step():
   # The train step with optax.MultiSteps: an inf micro-batch backs the scale off once and
   # is dropped whole; the run ends bit-identical to one that never saw it (float32 and
@@ -102,6 +103,7 @@ def _counting(tx, calls):
   return optax.GradientTransformation(tx.init, update)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain", ["inserted", "user", "named", "inject"])
 def test_a_skipped_step_traces_only_the_loss_scale_rule(chain):
   # The skip branch of the step's lax.cond needs the loss scale's backed-off state only:

@@ -81,6 +81,7 @@ def test_orbax_resume_in_fresh_process_is_bit_identical(orbax_resumed, api):
   assert float(resumed["scale"]) == float(jaxamp.get_loss_scale(state.opt_state)) == 64.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_nonfinite", [True, False])
 def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite):
   # Restoring a mixed_float16 checkpoint (scale 32768) into a mixed_bfloat16 step: the
@@ -158,6 +159,7 @@ def test_a_state_resumed_under_another_policy_gets_the_loss_scale_and_fp8_state_
   assert float(metrics["loss_scale"]) == 32768.0 and int(metrics["skipped_steps"]) == 3
 
 
+@pytest.mark.slow
 def test_a_state_from_another_step_is_refused():
   adam = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
   sgd = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")

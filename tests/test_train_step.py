@@ -74,6 +74,7 @@ def test_compiles_once_and_donates_buffers():
   assert int(state.step) == 4
 
 
+@pytest.mark.slow
 def test_aux_metrics_and_eval_step():
   def loss_with_aux(model, batch):
     logits = model(batch["x"])

@@ -168,6 +168,7 @@ def test_skip_nonfinite_takes_a_bool():
   assert not train.skips_nonfinite
 
 
+@pytest.mark.slow
 def test_grad_norm_is_norm_of_unscaled_gradients():
   batch = make_batches(1)[0]
   train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.static_loss_scale(256.0),
@@ -212,6 +213,7 @@ def _half_cond_operands(train, state, batch):
   return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "bfloat16"])
 def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
