@@ -14,6 +14,9 @@ import sys
 
 import pytest
 
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
