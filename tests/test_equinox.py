@@ -12,6 +12,7 @@ eqx = pytest.importorskip("equinox")
 
 import jaxamp  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jaxamp.equinox as amp_eqx  # pylint: disable=g-import-not-at-top,wrong-import-position
+from train_helpers import stepped  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 VOCAB, WIDTH, SEQ, LAYERS, STEPS = 16, 32, 8, 2, 10
 
@@ -101,13 +102,7 @@ def lm():
 
 
 def run(train, batches, model=None):
-  state = train.init(lm() if model is None else model)
-  history = []
-  for b in batches:
-    before = state
-    state, metrics = train.step(state, b)
-    history.append((before, state, metrics))
-  return state, history
+  return stepped(train, train.init(lm() if model is None else model), batches)
 
 
 @pytest.fixture(scope="module")

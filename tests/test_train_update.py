@@ -11,7 +11,8 @@ from flax import nnx
 
 import jaxamp
 
-from train_helpers import NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches, xent
+from train_helpers import (NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches,
+                           stepped, xent)
 
 
 @pytest.mark.parametrize("scale", ["dynamic", "default fixed"])
@@ -28,13 +29,7 @@ def test_injected_inf_matches_control_run_bit_for_bit(api, scale):
       tx = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0**10,
                                                  growth_interval=1000), tx)
     train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", donate=False)
-    state = init(train, api, dropout=0.2)
-    history = []
-    for b in batches:
-      before = state
-      state, metrics = train.step(state, b)
-      history.append((before, state, metrics))
-    return state, history
+    return stepped(train, init(train, api, dropout=0.2), batches)
 
   batches = make_batches(5)
   poisoned = dict(batches[2], x=batches[2]["x"].copy())

@@ -114,3 +114,14 @@ def run_script(source, tmp_path, name, env=None):
                         env=full_env, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
+
+
+def stepped(train, state, batches):
+  """``train.step`` over ``batches`` from ``state``: the last state and, per step, the
+  state before it, the state after it and its metrics."""
+  history = []
+  for b in batches:
+    before = state
+    state, metrics = train.step(state, b)
+    history.append((before, state, metrics))
+  return state, history
