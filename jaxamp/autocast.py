@@ -48,9 +48,9 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jaxamp import _warn_once
+from jaxamp import _warn_once, dtypes
 from jaxamp.op_lists import BFLOAT16_LISTS, CATEGORIES, DEFAULT_LISTS, AutocastLists
-from jaxamp.policy import _HALF, get_policy, global_policy, PolicyLike
+from jaxamp.policy import get_policy, global_policy, PolicyLike
 
 __all__ = ["autocast"]
 
@@ -283,7 +283,7 @@ def _eval_eqn(eqn: jcore.JaxprEqn, invals: list[Any], pinned: list[bool],
   if category == "low_precision":
     return _low_precision(eqn, invals, ctx), [False] * len(eqn.outvars)
   if category == "float32":
-    invals = [_cast(x, _FLOAT32) if _dtype(x) in _HALF else x for x in invals]
+    invals = [_cast(x, _FLOAT32) if dtypes.is_half(_dtype(x)) else x for x in invals]
     pin = True
   elif category == "follow_compute":
     invals, followed = _follow_compute(invals, pinned, ctx)

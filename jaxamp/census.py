@@ -30,13 +30,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxamp import _warn_once
+from jaxamp import _warn_once, dtypes
 
 __all__ = ["ModuleMatmul", "module_matmuls", "scope_name", "float32_in_half_modules",
            "warn_float32_matmuls", "HALF_DTYPES", "FP8_DTYPES"]
 
-HALF_DTYPES = frozenset({"float16", "bfloat16"})
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+# The dtype names of half-precision and FP8 operands (jaxamp.dtypes' table).
+HALF_DTYPES = dtypes.HALF
+FP8_DTYPES = dtypes.FP8
 _SCOPE = "jaxamp_module_"
 _SCOPE_RE = re.compile(re.escape(_SCOPE) + r"(\d+)")
 

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once
+from jaxamp import _warn_once, dtypes
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -67,7 +67,7 @@ __all__ = [
 _F32 = jnp.float32
 # Rows of an Fp8Meta: what each amax and scale is for.
 INPUT, KERNEL, GRAD = 0, 1, 2
-_MAX = (float(jnp.finfo(E4M3).max), float(jnp.finfo(E4M3).max), float(jnp.finfo(E5M2).max))
+_MAX = (dtypes.format_of(E4M3).max, dtypes.format_of(E4M3).max, dtypes.format_of(E5M2).max)
 
 
 class Fp8Meta(NamedTuple):
@@ -136,7 +136,7 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
     >>> jaxamp.fp8.quantize(jnp.array([1000.0, 0.5]), jaxamp.fp8.E4M3, 1.0).tolist()
     [448.0, 0.5]
   """
-  fp8_max = float(jnp.finfo(dtype).max)
+  fp8_max = dtypes.format_of(dtype).max
   return jnp.clip(x.astype(_F32) * scale, -fp8_max, fp8_max).astype(dtype)
 
 

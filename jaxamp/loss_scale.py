@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp import dtypes
 from jaxamp.casting import at_least_float32, is_inexact_array
 from jaxamp.policy import PolicyLike, get_policy
 
@@ -66,7 +67,7 @@ __all__ = [
 ]
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_MAX = dtypes.FORMATS["float32"].max
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 

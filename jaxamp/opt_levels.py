@@ -45,8 +45,9 @@ from typing import Any, NamedTuple, Union
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp import dtypes
 from jaxamp.casting import at_least_float32
-from jaxamp.policy import _HALF, get_policy, Policy
+from jaxamp.policy import get_policy, Policy
 from jaxamp.rules import pure_policy_fn
 
 __all__ = ["OPT_LEVELS", "LossScaleSpec", "OptLevel", "opt_level"]
@@ -216,6 +217,6 @@ def opt_level(level: str | OptLevel, *, half: Any = jnp.float16, **overrides: An
     half_dtype = np.dtype(half)
   except TypeError:
     half_dtype = None
-  if half_dtype not in _HALF:
+  if half_dtype is None or not dtypes.is_half(half_dtype):
     raise ValueError(f"half must be float16 or bfloat16, got {half!r}.")
   return _preset(level, half_dtype)._replace(**checked)

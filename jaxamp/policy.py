@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _warn_once, recipes
+from jaxamp import _warn_once, dtypes, recipes
 from jaxamp.casting import cast_floating
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
     "POLICY_NAMES",
 ]
 
-_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _FLOAT32 = np.dtype(jnp.float32)
 
 # Keras names: a dtype name sets all three; 'mixed_*' keeps params in float32
@@ -210,14 +209,14 @@ class Policy:
       return _fp8_name(self)
     if p == c == o:
       return p.name
-    if p == _FLOAT32 and c in _HALF and o == c:
+    if p == _FLOAT32 and dtypes.is_half(c) and o == c:
       return f"mixed_{c.name}"
     return f"params={p.name},compute={c.name},output={o.name}"
 
   @property
   def is_mixed(self) -> bool:
     """Whether compute runs in a half dtype (float16 or bfloat16)."""
-    return self.compute_dtype in _HALF
+    return dtypes.is_half(self.compute_dtype)
 
   def __repr__(self) -> str:
     fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"

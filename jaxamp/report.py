@@ -46,6 +46,7 @@ from jax.extend.core import Literal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from jaxamp import dtypes
 from jaxamp.census import FP8_DTYPES, HALF_DTYPES
 
 __all__ = ["MatmulOp", "PrecisionReport", "precision_report"]
@@ -625,10 +626,7 @@ def _mlir_dtype(t: ir.Type | str) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-  try:
-    return jax.numpy.dtype(dtype).itemsize
-  except TypeError:  # 'tf32' and types numpy has no name for
-    return 4
+  return dtypes.itemsize(dtype)
 
 
 def _is_float(dtype: str) -> bool:

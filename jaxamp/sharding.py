@@ -39,6 +39,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from jaxamp import dtypes
 from jaxamp._flax_compat import unbox
 
 __all__ = ["ParamSharding", "GATHERS", "fsdp", "annotated", "gather_of", "prefetch_of",
@@ -327,9 +328,6 @@ _MLIR_OP_RE = re.compile(r'"?stablehlo\.(' + "|".join(o.replace("-", "_") for o 
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _MLIR_END_RE = re.compile(r"^\s*\}\)\s*:\s*\(")
 _TENSOR_RE = re.compile(r"tensor<((?:\d+x)*)(i1|[a-z]+\d+\w*)>")
-_ITEMSIZE = {"pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "s16": 2, "u16": 2, "i16": 2,
-             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "i32": 4, "f32": 4, "s64": 8, "u64": 8,
-             "i64": 8, "f64": 8}
 _MLIR_DTYPE = {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64"}
 
 
@@ -371,7 +369,7 @@ def collectives(program_text: str) -> list[Collective]:
 
 def _collective(op: str, dtype: str, dims: Sequence[str]) -> Collective:
   size = math.prod(int(d) for d in dims if d)
-  return Collective(op, _MLIR_DTYPE.get(dtype, dtype), size * _ITEMSIZE.get(dtype, 4))
+  return Collective(op, _MLIR_DTYPE.get(dtype, dtype), size * dtypes.itemsize(dtype))
 
 
 def _mlir_collectives(text: str) -> list[Collective]:
