@@ -352,6 +352,7 @@ def donatable(state: Any, kept: list[jax.Array]) -> Any:
     held = _buffers(x)
     shared = held & (seen | own)
     own.update(held)
-    return jax.device_put(x, may_alias=False) if shared else x
+    # With its own sharding: also for an array spanning other processes' devices.
+    return jax.device_put(x, x.sharding, may_alias=False) if shared else x
 
   return jax.tree.map(one, state)
