@@ -13,7 +13,7 @@ both parts, as in ``optax.tree.norm``). Inside a train step it takes the step's 
 only when the updates it receives are the very arrays the step took the norm of (checked
 by identity while tracing: an element before it that changes the updates, e.g.
 ``optax.scale``, makes it compute its own). Anywhere else it computes its own, in
-float32.
+float32 (float64 for float64 leaves).
 
 Example:
   >>> import jax.numpy as jnp, optax, jaxamp

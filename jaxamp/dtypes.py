@@ -61,6 +61,7 @@ _NAMES = (("float64", "f64"), ("float32", "f32"), ("float16", "f16"), ("bfloat16
           ("float8_e4m3fnuz", "f8e4m3fnuz"), ("float8_e5m2fnuz", "f8e5m2fnuz"),
           ("float8_e4m3b11fnuz", "f8e4m3b11fnuz"), ("float8_e4m3", "f8e4m3"),
           ("float8_e3m4", "f8e3m4"), ("float8_e8m0fnu", "f8e8m0fnu"),
+          ("float6_e2m3fn", "f6e2m3fn"), ("float6_e3m2fn", "f6e3m2fn"),
           ("float4_e2m1fn", "f4e2m1fn"))
 
 
@@ -79,7 +80,8 @@ FP8 = frozenset(f.name for f in FORMATS.values() if f.fp8)
 _OTHER_ITEMSIZES = {"pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "ui8": 1, "s16": 2, "u16": 2,
                     "i16": 2, "ui16": 2, "s32": 4, "u32": 4, "i32": 4, "ui32": 4, "s64": 8,
                     "u64": 8, "i64": 8, "ui64": 8, "c64": 8, "c128": 16, "complex64": 8,
-                    "complex128": 16, "tf32": 4, "s4": 1, "u4": 1, "i4": 1}
+                    "complex128": 16, "tf32": 4, "s4": 1, "u4": 1, "i4": 1, "ui4": 1, "s2": 1, "u2": 1,
+                    "i2": 1, "ui2": 1}
 _ITEMSIZES = {**_OTHER_ITEMSIZES, **{f.name: f.itemsize for f in FORMATS.values()},
               **{f.hlo: f.itemsize for f in FORMATS.values()}}
 
@@ -87,6 +89,8 @@ _ITEMSIZES = {**_OTHER_ITEMSIZES, **{f.name: f.itemsize for f in FORMATS.values(
 def format_of(dtype: Any) -> FloatFormat | None:
   """The :class:`FloatFormat` of ``dtype`` (a dtype, scalar type or name), or None for a
   type that is not floating."""
+  if dtype is None:  # np.dtype(None) would be float64
+    return None
   try:
     name = np.dtype(dtype).name
   except TypeError:

@@ -232,7 +232,8 @@ def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
   whether that norm is finite.
 
   One sum of squares gives both. The norm is finite exactly when every element is finite
-  and the sum of squares stays within float32's range (a norm below about 1.8e19).
+  and the sum of squares stays within its dtype's range (float32: a norm below about
+  1.8e19; float64 where a leaf is float64).
   Gradients past that are treated like an overflow: clipping by global norm would turn
   them into a zero update, and Adam's second moment would hold inf from then on.
   Gradients computed in float16 stay far below it. No exact per-element check is traced

@@ -176,6 +176,7 @@ def mlp_loss_cast_by_hand(params, x, y, dtype):
   return -jnp.mean(jnp.sum((shifted.astype(F32) - lse) * y, axis=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mlp_matches_float32(policy):
   params, x, y = _mlp_data()
@@ -195,6 +196,7 @@ def test_mlp_matches_float32(policy):
   assert _rel_err(jaxamp.autocast(mlp, policy)(params, x), mlp(params, x)) < TOL[policy]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_transformer_block(policy):
   p = _init_block(jax.random.key(1))
@@ -214,6 +216,7 @@ def test_transformer_block(policy):
   assert _rel_err(grads, ref_grads) < TOL[policy]
 
 
+@pytest.mark.slow
 def test_mixed_float16_runs_on_cpu():
   params, x, y = _mlp_data()
   loss = jaxamp.autocast(mlp_loss, "mixed_float16")
@@ -256,6 +259,7 @@ class NNXNet(nnx.Module):
     return self.l2(h + self.attn(h))
 
 
+@pytest.mark.slow
 def test_linen_same_profile_as_module_policy():
   x = jax.random.normal(jax.random.key(0), (4, 16))
   variables = LinenNet().init(jax.random.key(1), x)
@@ -271,6 +275,7 @@ def test_linen_same_profile_as_module_policy():
   assert _rel_err(_grad(auto)(variables, x), _grad(loss(LinenNet().apply))(variables, x)) < 3e-2
 
 
+@pytest.mark.slow
 def test_nnx_same_profile_as_module_policy():
   x = jax.random.normal(jax.random.key(0), (2, 4, 16))
   graphdef, state = nnx.split(NNXNet(nnx.Rngs(0)))
@@ -290,6 +295,7 @@ def test_nnx_same_profile_as_module_policy():
   assert _rel_err(grads, ref) < 3e-2
 
 
+@pytest.mark.slow
 def test_nnx_autocast_profile_matches_jaxamp_module_policies():
   x = jax.random.normal(jax.random.key(0), (2, 4, 16))
   graphdef, state = nnx.split(NNXNet(nnx.Rngs(0)))

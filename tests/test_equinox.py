@@ -245,6 +245,7 @@ def test_the_lm_trains_in_bfloat16_to_within_2_percent_of_float32(runs):
   assert float(train.eval_step(state, make_batches(1, seed=1)[0])) < 0.5 * first
 
 
+@pytest.mark.slow
 def test_the_step_runs_over_99_percent_of_matmul_flops_in_half_precision(runs, batches):
   train, state, _ = runs["mixed_bfloat16"]
   step = jaxamp.precision_report(train.step_fn, state, batches[0])  # forward and backward
@@ -284,6 +285,7 @@ def test_an_injected_inf_is_skipped_exactly_and_resumes_bit_identically(batches,
   assert_trees_equal(state.opt_state, state_b.opt_state)
 
 
+@pytest.mark.slow
 def test_accumulation_and_a_mesh_with_fsdp_match_the_plain_step(runs, batches):
   # One device here; the step still runs the shard_map, the FSDP gather and the
   # reduce-scatter on the Equinox params pytree.

@@ -44,6 +44,7 @@ def test_nnx_conversion_halves_storage_and_keeps_outputs():
                              atol=6e-2, rtol=6e-2)
 
 
+@pytest.mark.slow
 def test_linen_conversion_keeps_norms_and_batch_stats_float32():
   module = linen_models.CNN()
   x = linen_models.image_batch()

@@ -200,3 +200,25 @@ def test_a_state_laid_out_as_the_steps_own_skips_the_check(monkeypatch):
   with pytest.raises(ValueError, match=r"params.*is bfloat16\[.*this step's is float32"):
     train.step(state._replace(params=half), batch)
   assert len(checked) == 1
+
+
+def test_a_scale_init_made_or_a_step_returned_is_never_read_on_the_host(monkeypatch):
+  """Fitting a state to the policy reads its loss scale on the host (a sync) only for a
+  scale no step made: not after init, nor when two steps take turns on one state."""
+  from jaxamp.train import resume  # pylint: disable=g-import-not-at-top
+
+  batches = make_batches(2)
+  one, two = (jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_float16",
+                                     grad_accum_steps=k) for k in (1, 2))
+  state = init(one, "nnx")
+  init(two, "nnx")
+  reads = []  # counted from here: init copies its own state to the host once
+  real = resume._value  # pylint: disable=protected-access
+  monkeypatch.setattr(resume, "_value", lambda x: reads.append(1) or real(x))
+  for b in batches:
+    state, _ = one.step(state, b)
+    state, _ = two.step(state, b)
+  assert reads == []
+  restored = jax.device_put(state)  # new arrays: read once, then known
+  one.step(jax.tree.map(jnp.copy, restored), batches[0])
+  assert len(reads) == 1

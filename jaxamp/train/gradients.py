@@ -110,8 +110,9 @@ def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: j
                    scale: jax.Array, fp8: Any = None, keep_float32: bool = False,
                    fp8_axes: Any = None, changed: set[int] | None = None
                    ) -> tuple[Any, jax.Array, Any, Any, Any]:
-  """Scaled-loss gradients over micro-batches, accumulated in float32 (and kept so
-  with ``keep_float32``), and the new FP8 state.
+  """Scaled-loss gradients over micro-batches, accumulated in at least float32
+  (complex64 for complex parameters; kept so with ``keep_float32``), and the new FP8
+  state.
 
   ``fp8_axes``: inside ``shard_map``, the batch axes: the FP8 amaxes are maxed over them
   after every micro-batch, so each device scales the next micro-batch as one device
@@ -138,7 +139,7 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
                  batch: Any, rng: jax.Array, fp8: Any, keep_float32: bool
                  ) -> tuple[Any, jax.Array, Any, Any, Any]:
   """``grad_fn`` over the batch's ``grad_accum_steps`` micro-batches in a ``lax.scan``,
-  the gradients summed in float32, the model and FP8 state threaded through."""
+  the gradients summed in at least float32, the model and FP8 state threaded through."""
   k = plan.options.grad_accum_steps
   split, rebuild = _micro_batches(batch, k)
   # float32 sums (float64 for float64 parameters; a complex parameter's in complex64,

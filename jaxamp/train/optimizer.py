@@ -43,8 +43,8 @@ def build(options: Options, params: Any) -> Built:
   if not optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState"):
     scale = (options.level.make_loss_scale() if options.level is not None
              else _ls.loss_scale_for(options.policy))
-    # A scale fixed at 1 (bfloat16, float32) needs no multiply and no divide, whatever
-    # scale a restored state holds (the loss scale returns it to 1).
+    # A scale fixed at 1 (bfloat16, float32) needs no multiply and no divide (a restored
+    # state's other scale is reset to 1 on entry: jaxamp.train.resume).
     unit_scale = _ls.is_no_loss_scale(scale)
     tx = optax.chain(scale, tx)
   if (unit_scale and options.mesh is not None

@@ -18,6 +18,7 @@ warning saying what changed:
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -27,7 +28,25 @@ from jaxamp.loss_scale import LossScaleState
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState
 
-__all__ = ["Fresh", "fresh_of", "fitted"]
+__all__ = ["Fresh", "fresh_of", "fitted", "remember"]
+
+# Scale arrays known to fit a step that does (False) or does not (True) scale the loss:
+# init's, the steps' results, and those read once. Keyed by id, each entry held weakly
+# (arrays are not hashable), so a state a step returned, or one seen before, is never
+# read again: no host sync on the step's path.
+_FITTING = {True: weakref.WeakValueDictionary(), False: weakref.WeakValueDictionary()}
+
+
+def _known(scale: Any, unit_scale: bool) -> bool:
+  return _FITTING[unit_scale].get(id(scale)) is scale
+
+
+def remember(state: Any, unit_scale: bool) -> None:
+  """Notes that ``state``'s loss scale fits a step of that kind (``state`` a step
+  returned, or ``init`` made)."""
+  restored = _loss_scale(getattr(state, "opt_state", None))
+  if restored is not None and _readable(restored.scale):
+    _FITTING[unit_scale][id(restored.scale)] = restored.scale
 
 
 class Fresh(NamedTuple):
@@ -108,26 +127,28 @@ def _fp8_fitted(fresh: Fresh, fp8: Any, stacklevel: int) -> Any:
   return None
 
 
-def _scale_fitted(fresh: Fresh, opt_state: Any, last: Any, stacklevel: int) -> Any:
+def _scale_fitted(fresh: Fresh, opt_state: Any, stacklevel: int) -> Any:
   restored = _loss_scale(opt_state)
   if fresh.loss_scale is None or restored is None or not _readable(restored.scale):
     return opt_state
-  if last is not None and restored.scale is getattr(_loss_scale(last), "scale", None):
-    return opt_state  # the scale this step returned: nothing to read
+  if _known(restored.scale, fresh.unit_scale):
+    return opt_state  # init's, a step's result or read before: nothing to read
   scale, want = float(_value(restored.scale)), float(fresh.loss_scale.scale)
   if fresh.unit_scale:
     if scale == 1.0:
+      _FITTING[True][id(restored.scale)] = restored.scale
       return opt_state
     why = (f"jaxamp: this state's loss scale is {scale:g} (a float16 run's), but this "
            f"step's policy {fresh.policy!r} does not scale the loss: its loss-scale state "
            "starts fresh at 1 (skipped_steps kept).")
   else:
     if scale != 1.0 or want == 1.0:
+      _FITTING[False][id(restored.scale)] = restored.scale
       return opt_state
     why = (f"jaxamp: this state's loss scale is 1, as a run without loss scaling "
            f"(bfloat16, float32 or FP8 policies) leaves it, but this step's policy "
            f"{fresh.policy!r} scales the loss: at 1 small float16 gradients flush to zero, "
-           f"and a dynamic scale grows only every 2,000 steps. The loss-scale state starts "
+           f"and a dynamic scale grows only every growth_interval steps (2,000 by default). The loss-scale state starts "
            f"fresh at {want:g} (skipped_steps kept), as in a new run; a float16 run whose "
            "scale had backed off to 1 starts there again too, and backs off as it needs.")
   warnings.warn(why, RuntimeWarning, stacklevel=stacklevel)
@@ -136,22 +157,20 @@ def _scale_fitted(fresh: Fresh, opt_state: Any, last: Any, stacklevel: int) -> A
   return jax.tree.map(lambda x: new if _is_scale(x) else x, opt_state, is_leaf=_is_scale)
 
 
-def fitted(fresh: Fresh | None, state: Any, last: Any = None, stacklevel: int = 4) -> Any:
+def fitted(fresh: Fresh | None, state: Any, stacklevel: int = 4) -> Any:
   """``state`` with the loss-scale and FP8 state the step's policy needs (see the module
   docstring), warning for each change; ``state`` itself where nothing changes.
 
   Args:
     fresh: :func:`fresh_of` the step's first state (None: fit nothing).
-    state: a state the step did not return.
-    last: the state the step returned last (its loss scale is not read again).
+    state: a state the step did not return (a scale :func:`remember` noted is not
+      read again).
     stacklevel: of the warnings, counted from here.
   """
   if fresh is None or not isinstance(state, TrainState):
     return state
   fp8 = _fp8_fitted(fresh, state.fp8, stacklevel + 1)
-  opt_state = _scale_fitted(fresh, state.opt_state,
-                            last.opt_state if isinstance(last, TrainState) else None,
-                            stacklevel + 1)
+  opt_state = _scale_fitted(fresh, state.opt_state, stacklevel + 1)
   if fp8 is state.fp8 and opt_state is state.opt_state:
     return state
   return state._replace(fp8=fp8, opt_state=opt_state)

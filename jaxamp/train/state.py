@@ -48,7 +48,8 @@ class TrainState(NamedTuple):
 
 
 class MasterWeightsState(NamedTuple):
-  """Optimizer state with float32 master weights, for half-precision params.
+  """Optimizer state with float32 master weights, for half-precision params (float64
+  and complex parameters keep their own dtype).
 
   Attributes:
     master_params: float32 copies of the parameters; the optimizer updates these and

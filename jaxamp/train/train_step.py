@@ -1,8 +1,9 @@
 """``make_train_step`` and :class:`TrainStep`, a thin holder over the pure stages.
 
-``TrainStep`` keeps what a training loop needs between calls: the plan ``init`` made,
-the jitted step and eval step, the state the last step returned (a state it did not
-return is checked and laid out first), and the skipped-steps monitor.
+``TrainStep`` keeps what a training loop needs between calls: the jitted step and eval
+step with the plan ``init`` made (:class:`~jaxamp.train.programs.Programs`), the state
+the last step returned (a state it did not return is fitted to the policy, checked and
+laid out first), and the skipped-steps monitor.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class TrainStep(OptionsView):
   Attributes:
     options: ``make_train_step``'s arguments, checked (``policy``, ``mesh``... read
       through to it); plan: what :meth:`init` learnt from the model (None before).
-    master_weights: whether the optimizer updates float32 master weights; when
+    master_weights: whether the optimizer updates master weights (float32; float64 or
+      complex for such parameters); when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
     param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
@@ -161,6 +163,7 @@ class TrainStep(OptionsView):
             if self.options.donate and not donate_model else [])
     state = init_lib.donatable(state, kept)
     self._fresh = resume.fresh_of(plan, state)
+    resume.remember(state, plan.unit_scale)
     self._expected = abstract_state(state)
     self._last_state = self._returned = None  # states made before this init are checked
     return state
@@ -168,10 +171,10 @@ class TrainStep(OptionsView):
   def check_state(self, state: Any) -> None:
     """Raises a ValueError unless ``state`` fits this step (the one its ``init`` made).
 
-    ``step`` and ``eval_step`` call it for any state they did not return themselves (a
-    restored checkpoint, a state from another step, one made before a later ``init``):
-    its structure, shapes and dtypes must match. Before the check, ``step`` fits such a
-    state's precision state to this step's policy, with a warning: the fresh loss-scale
+    ``step``, ``eval_step``, ``trace`` and ``lower`` call it for any state the step did
+    not return (a restored checkpoint, a state from another step, one made before a later
+    ``init``): its structure, shapes and dtypes must match. Before the check they fit such
+    a state's precision state to this step's policy, with a warning: the fresh loss-scale
     state where its scale cannot serve this step (1, a run's without loss scaling, in a
     float16 step; another scale in a step that does not scale), and fresh or no FP8
     state where the state's policy had none or this one keeps none.
@@ -193,6 +196,7 @@ class TrainStep(OptionsView):
     new_state, metrics = programs.run_step(lambda: programs.step_jit(state, batch))
     if not isinstance(new_state.step, jax.core.Tracer):  # not called inside the user's jit
       self._last_state = new_state
+      resume.remember(new_state, self.plan.unit_scale)
     if self._streaks is not None:
       self._streaks.observe(metrics)
     return new_state, metrics
@@ -208,7 +212,7 @@ class TrainStep(OptionsView):
     if state is self._last_state:
       return state
     # Another run's state: the loss-scale and FP8 state of this step's policy.
-    state = resume.fitted(self._fresh, state, self._last_state, stacklevel=4)
+    state = resume.fitted(self._fresh, state, stacklevel=4)
     if self._returned is None and self._last_state is not None:
       self._returned = layout.signature(self._last_state)
     if self._returned is None or layout.signature(state) != self._returned:
