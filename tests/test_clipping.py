@@ -89,6 +89,7 @@ def _run(policy, tx, steps=3):
   return state, norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_in_the_step_the_shared_norm_gives_what_its_own_norm_gives(policy):
   # optax.scale(1.0) hands the clip other arrays of equal values: it takes its own norm.

@@ -58,7 +58,8 @@ def run_block(code: str, where: str) -> dict:
 
 
 # Each block may set the global policy or rules, as a fresh interpreter would have them.
-pytestmark = pytest.mark.usefixtures("fresh_jaxamp_state")
+# Heavier checks: the slow tier (pytest -m slow), which CI runs after the main suite.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_jaxamp_state")]
 
 
 # What a block prints that its page states (a printed line, exactly), by (page, block index).

@@ -142,6 +142,7 @@ class _NNXBlock(nnx.Module):
     return self.head(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api, policy", [("linen", "mixed_bfloat16"),
                                          ("nnx", "mixed_float16")])
 def test_the_train_step_trains_as_plain_reverse_mode_bit_for_bit(api, policy):

@@ -127,6 +127,7 @@ class _Collecting(nn.Module):
     return x
 
 
+@pytest.mark.slow
 def test_the_summary_attributes_matmuls_whatever_the_garbage_collector_frees():
   """A nested apply's clone was known by its id: a module allocated where a collected
   clone had been took the clone's path, and its matmuls went to the nested root (the

@@ -14,6 +14,7 @@ import jaxamp
 from train_helpers import LinenNet, POLICIES, init, leaves, loss_fn, make_batches, xent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_end_to_end_trains_with_batchnorm_and_dropout(api, policy):
@@ -48,6 +49,7 @@ def test_end_to_end_trains_with_batchnorm_and_dropout(api, policy):
   assert any(changed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_mixed_matches_float32_within_tolerance(api):
   batches = make_batches(4)
@@ -295,6 +297,7 @@ def _f64_model(api):
       lambda p, b: loss(eqx.combine(p, static), b))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api,accum", [("nnx", 1), ("nnx", 2), ("linen", 1), ("equinox", 1)])
 def test_a_float64_policy_trains_as_plain_float64_adam(api, accum):
   """Every "in float32" default means at least float32: the LayerNorm, the outputs

@@ -15,6 +15,7 @@ from train_helpers import (NNXNet, assert_trees_equal, init, leaves, loss_fn, ma
                            stepped, xent)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", ["dynamic", "default fixed"])
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_injected_inf_matches_control_run_bit_for_bit(api, scale):
