@@ -345,14 +345,12 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
 # ``jax._src.lib.mlir`` only re-exports ``jaxlib.mlir`` under a private name.
 
 _FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
-_FLOATS = (("BF16Type", "bfloat16"), ("F16Type", "float16"), ("F32Type", "float32"),
-           ("F64Type", "float64"), ("FloatTF32Type", "tf32"),
-           ("Float8E4M3FNType", "float8_e4m3fn"), ("Float8E5M2Type", "float8_e5m2"),
-           ("Float8E4M3FNUZType", "float8_e4m3fnuz"), ("Float8E5M2FNUZType", "float8_e5m2fnuz"),
-           ("Float8E4M3B11FNUZType", "float8_e4m3b11fnuz"), ("Float8E4M3Type", "float8_e4m3"),
-           ("Float8E3M4Type", "float8_e3m4"), ("Float8E8M0FNUType", "float8_e8m0fnu"),
-           ("Float4E2M1FNType", "float4_e2m1fn"), ("Float6E2M3FNType", "float6_e2m3fn"),
-           ("Float6E3M2FNType", "float6_e3m2fn"))
+# MLIR's float type classes, named from jaxamp.dtypes' table: the IEEE-like ones by width,
+# the others from their HLO spelling (f8e4m3fn: Float8E4M3FNType); tf32 is no storage type.
+_IEEE = {"bfloat16": "BF16Type", "float16": "F16Type", "float32": "F32Type",
+         "float64": "F64Type"}
+_FLOATS = (*((_IEEE.get(f.name, f"Float{f.hlo[1:].upper()}Type"), f.name)
+             for f in dtypes.FORMATS.values()), ("FloatTF32Type", "tf32"))
 # Types a jaxlib release lacks are left out rather than failing the import.
 _FLOAT_TYPES = tuple((getattr(ir, cls), name) for cls, name in _FLOATS if hasattr(ir, cls))
 
