@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -46,7 +45,7 @@ from jax.extend.core import Literal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from jaxamp import dtypes
+from jaxamp import adapters, dtypes
 from jaxamp.census import FP8_DTYPES, HALF_DTYPES
 
 __all__ = ["MatmulOp", "PrecisionReport", "precision_report"]
@@ -252,11 +251,8 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   for i in nums:
     if not -len(args) <= i < len(args):
       raise ValueError(f"argnums {argnums!r} out of range for {len(args)} positional args.")
-  if "equinox" in sys.modules:  # a model can be an eqx.Module only once it is imported
-    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
-
-    if amp_eqx.holds_modules(args):
-      fn, args = amp_eqx.arrays_only(fn, args, nums)  # functions, sizes: closed over
+  for library in adapters.libraries():  # a model's functions, sizes: closed over
+    fn, args = library.report_args(fn, tuple(args), nums)
   bound = (lambda *a: fn(*a, **kwargs)) if kwargs else fn
   target = jax.value_and_grad(bound, argnums=argnums) if backward else bound
   ops, casts, cast_bytes, unknown_loops = _parse_module(

@@ -14,21 +14,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
-from flax import linen as nn
-from flax import nnx
 
+from jaxamp import adapters
 from jaxamp import fp8 as fp8_lib
+from jaxamp.adapters import module_params
 from jaxamp.casting import is_floating_array
 from jaxamp.policy import Policy, PolicyLike
 from jaxamp.report import _bytes
-from jaxamp.rules import (_owner, cast_module_params, leaf_name,  # pylint: disable=unused-import
-                          path_name, warn_unmatched_path_rules)
+from jaxamp.rules import cast_module_params, warn_unmatched_path_rules
 
 __all__ = ["summary", "Summary", "SummaryRow", "cast_module_params", "module_params"]
 
@@ -143,55 +140,6 @@ def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
   return tuple((0, int(s), "") if s.isdigit() else (1, 0, s) for s in path.split("/"))
 
 
-def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tuple[str, Any]]]:
-  """Groups the array leaves of a params tree by the module that owns them.
-
-  Args:
-    params: a params pytree (an ``nnx.State`` or Linen ``'params'`` collection).
-    module_paths: ``'/'``-joined module paths.
-
-  Returns:
-    ``{module_path: [(leaf_path, leaf), ...]}``.
-  """
-  groups: dict[str, list[tuple[str, Any]]] = {m: [] for m in module_paths}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = leaf_name(path)
-    groups.setdefault(_owner(name, module_paths), []).append((name, leaf))
-  return groups
-
-
-def _nnx_plan(model: Any, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
-              policy: PolicyLike | None):
-  from jaxamp import nnx as amp_nnx  # pylint: disable=g-import-not-at-top
-
-  module = model.module if isinstance(model, amp_nnx.PolicyModule) else model
-  plan = amp_nnx.module_policies(model, policy)
-  census = None
-  if example_inputs or example_kwargs:
-    wrapper = amp_nnx.with_policy(module, plan[-1][2])  # the root's policy comes last
-    census = wrapper.matmul_census(*example_inputs, **example_kwargs)
-  return plan, nnx.state(module, nnx.Param), census
-
-
-def _linen_plan(model: Any, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
-                policy: PolicyLike | None):
-  from jaxamp import linen as amp_linen  # pylint: disable=g-import-not-at-top
-
-  if isinstance(model, tuple):
-    module, variables = model
-  else:
-    module = model
-    init_kwargs = {k: v for k, v in example_kwargs.items() if k != "mutable"}
-    variables = jax.eval_shape(lambda: module.init(jax.random.key(0), *example_inputs,
-                                                   **init_kwargs))
-  plan = amp_linen.module_policies(module, variables, *example_inputs, policy=policy,
-                                   **example_kwargs)
-  root = next(p for path, _, p in plan if path == "")
-  census = amp_linen.with_policy(module, root).matmul_census(variables, *example_inputs,
-                                                             **example_kwargs)
-  return plan, variables["params"], census
-
-
 def _matmul_columns(census: Any) -> dict[str, tuple[str, int]]:
   """``{module path: (operand dtypes of its own matmuls, their FLOPs)}`` from a census."""
   ops, names, _ = census
@@ -203,11 +151,6 @@ def _matmul_columns(census: Any) -> dict[str, tuple[str, int]]:
     dtypes.update((op.lhs_dtype, op.rhs_dtype))
     found[names[op.module]] = (dtypes, flops + op.flops)
   return {path: ("+".join(sorted(dtypes)), flops) for path, (dtypes, flops) in found.items()}
-
-
-def _is_equinox(model: Any) -> bool:
-  eqx = sys.modules.get("equinox")  # a model can be an eqx.Module only once it is imported
-  return eqx is not None and isinstance(model, eqx.Module)
 
 
 def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
@@ -235,20 +178,11 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
   Returns:
     A :class:`Summary`; print it for a table, or read ``.rows`` / ``.to_dict()``.
   """
-  if isinstance(model, nnx.Module):
-    plan, params, census = _nnx_plan(model, example_inputs, example_kwargs, policy)
-  elif isinstance(model, nn.Module) or (isinstance(model, tuple) and len(model) == 2
-                                        and isinstance(model[0], nn.Module)):
-    if not example_inputs and not example_kwargs:
-      raise ValueError("summary of a Linen module needs example inputs to trace it with.")
-    plan, params, census = _linen_plan(model, example_inputs, example_kwargs, policy)
-  elif _is_equinox(model):
-    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
-
-    plan, params, census = amp_eqx.summary_plan(model, example_inputs, example_kwargs, policy)
-  else:
+  library = adapters.library_of(model)
+  if library is None:
     raise ValueError(f"summary takes an NNX module, a Linen module, a Linen (module, "
                      f"variables) pair or an Equinox module; got {type(model).__name__}.")
+  plan, params, census = library.summary_plan(model, example_inputs, example_kwargs, policy)
   seen: dict[str, tuple[type, Policy]] = {}
   for path, cls, p in plan:
     seen.setdefault(path, (cls, p))

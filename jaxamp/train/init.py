@@ -9,135 +9,61 @@ loss scale. Everything it learns goes into the plan; the state holds only arrays
 from __future__ import annotations
 
 import fnmatch
-import sys
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen, nnx
 
 from jaxamp import _flax_compat
+from jaxamp import adapters
 from jaxamp import fp8 as fp8_lib
-from jaxamp import linen as amp_linen
-from jaxamp import nnx as amp_nnx
 from jaxamp import residuals as residuals_lib
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array, overflowed_casts, widen_floating
-from jaxamp.rules import (asks_for_fp8, cast_module_params, leaf_name, path_name,
-                          warn_unmatched_path_rules)
-from jaxamp.train import optimizer as optimizer_lib
-from jaxamp.train.adapters import EquinoxAdapter, LinenAdapter, NNXAdapter
+from jaxamp.adapters import Library
 from jaxamp.gather import Shard
+from jaxamp.rules import cast_module_params, leaf_name, path_name, warn_unmatched_path_rules
+from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.plan import Options, Plan, level_rules
-from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable, value_of
+from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable
 
 __all__ = ["init", "donatable", "arrays_held"]
 
 
-class _Split(NamedTuple):
-  """A model taken apart: its adapter, arrays, and per-module policies (None: unknown)."""
-
-  adapter: Any
-  params: Any
-  model_state: Any
-  rows: list[Any] | None  # (path, class, policy) per module
-  fp8_rows: list[Any] | None  # the rows of modules that keep FP8 state
-  holders: dict[str, list[str]]  # tied params: the modules holding each (FSDP only)
-
-
-def unwrap(options: Options, model: Any) -> tuple[Any, bool]:
+def unwrap(options: Options, library: Library, model: Any) -> tuple[Any, bool]:
   """``model`` without a jaxamp policy wrapper, and whether the wrapper asked for
   recomputed norms; refuses a wrapper whose policy is not the step's."""
-  if isinstance(model, (amp_nnx.PolicyModule, amp_linen.LinenPolicy)):
-    if model.policy is not None and model.policy != options.policy:
-      raise ValueError(
-          f"init got a model wrapped with policy {model.policy.name!r}, but this train "
-          f"step's policy is {options.policy.name!r}. Pass the unwrapped model (the train "
-          "step applies its own policy), or make the step with the same policy.")
-    return model.module, model.recompute_norms
-  return model, False
+  inner, recompute, policy = library.unwrap(model)
+  if policy is not None and policy != options.policy:
+    raise ValueError(
+        f"init got a model wrapped with policy {policy.name!r}, but this train "
+        f"step's policy is {options.policy.name!r}. Pass the unwrapped model (the train "
+        "step applies its own policy), or make the step with the same policy.")
+  return inner, recompute
 
 
-def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
-                 example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any]) -> _Split:
-  policy = options.policy
-  if isinstance(model, nnx.Module):
-    if variables is not None or example_args or example_kwargs:
-      raise ValueError("init(model) takes no variables or example inputs for an NNX "
-                       "model.")
-    rows = amp_nnx.module_policies(model, policy)
-    fp8_rows = rows
-    if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in rows):
-      # Layers holding one kernel per nnx.scan step run FP8 with current scaling.
-      stacked = {path_name(path) for path, node in nnx.iter_graph(model)
-                 if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
-      fp8_rows = [row for row in rows if row[0] not in stacked]
-    graphdef, params, model_state = NNXAdapter.split(model)
-    return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows,
-                  _holders(model) if options.param_sharding is not None else {})
-  if _is_pytree_model(model, variables):
-    return _split_pytree(options, model, recompute, example_args, example_kwargs)
-  if variables is None or "params" not in variables:
-    raise ValueError("For a Linen module call init(module, variables), where variables "
-                     "is module.init(...)'s result with a 'params' collection.")
-  rows = fp8_rows = None
-  if example_args or example_kwargs:
-    rows, lifted = amp_linen.module_plan(model, None, *example_args, policy=policy,
-                                         **example_kwargs)
-    # Layers inside nn.scan & co. run FP8 with current scaling: no state for them.
-    fp8_rows = [row for row in rows if row[0] not in lifted]
-  if rows is None and asks_for_fp8(policy):
-    raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
-                     "train.init(module, variables, *example_args) finds the Dense "
-                     "layers that keep FP8 state from them.")
-  model_state = {k: v for k, v in variables.items() if k != "params"}
-  return _Split(LinenAdapter(model, recompute, _rng_streams(options, example_kwargs)),
-                variables["params"], model_state, rows, fp8_rows, {})
-
-
-def _rng_streams(options: Options, example_kwargs: Mapping[str, Any]) -> tuple[str, ...]:
-  """The Linen RNG streams the step gives the module: ``rng_streams``, and those named
-  in ``init``'s ``rngs=`` but ``'params'``."""
-  rngs = example_kwargs.get("rngs")
-  named = [n for n in rngs if n != "params"] if isinstance(rngs, Mapping) else []
-  return tuple(dict.fromkeys([*options.rng_streams, *named]))
-
-
-def _is_pytree_model(model: Any, variables: Any) -> bool:
-  """An Equinox module, or another pytree with floating arrays (not a Linen module)
+def _library(model: Any, variables: Any) -> Library:
+  """The registered library of ``model``: Equinox for another pytree of floating arrays
   passed without variables."""
-  eqx = sys.modules.get("equinox")  # a model can be an eqx.Module only once it is imported
-  if eqx is not None and isinstance(model, eqx.Module):
-    return True
-  return (variables is None and not isinstance(model, linen.Module)
-          and any(is_floating_array(x) for x in jax.tree.leaves(model)))
+  library = adapters.library_of(model, pytrees=variables is None)
+  if library is None:
+    names = ", ".join(lib.name for lib in adapters.libraries())
+    raise ValueError(f"init takes a model of one of the libraries jaxamp runs ({names}), or "
+                     "a pytree of floating arrays passed without variables; got "
+                     f"{type(model).__name__}.")
+  return library
 
 
-def _split_pytree(options: Options, model: Any, recompute: bool,
-                  example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any]) -> _Split:
-  try:
-    from jaxamp import equinox as amp_eqx  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError("Training an Equinox model or another pytree needs equinox: pip "
-                      "install 'jax-mixed-precision[equinox]'.") from e
-  if example_args or example_kwargs:
-    raise ValueError("init(model) takes no variables or example inputs for an Equinox "
-                     "model or another pytree.")
-  model = amp_eqx.checked_model(model, options.policy)
-  params, model_state, static = EquinoxAdapter.split(model)
-  return _Split(EquinoxAdapter(static, recompute), params, model_state,
-                amp_eqx.module_policies(model, options.policy), None, {})
-
-
-def _stored(options: Options, params: Any, rows: list[Any] | None, model: str) -> Any:
+def _stored(options: Options, library: Library, params: Any, rows: list[Any] | None,
+            model: str) -> Any:
   """``params`` cast to their owners' param dtypes; refuses a value that would be inf."""
   policy = options.policy
   cast = (policy.cast_to_param(params) if rows is None
           else cast_module_params(params, rows, lambda p: p.param_dtype))
-  values = lambda t: jax.tree.map(value_of, t, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  values = lambda t: jax.tree.map(library.value, t, is_leaf=library.is_node)
   overflowed = [f"{path_name(path)} (|max| {big:.4g}, {dtype.name})"
                 for path, big, dtype in overflowed_casts(values(params), values(cast))]
   if overflowed:
@@ -179,74 +105,48 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
   return tuple(out)
 
 
-def _state_reductions(options: Options, model_state: Any) -> tuple[tuple[str, Any], ...]:
+def _state_reductions(options: Options, library: Library, model_state: Any
+                      ) -> tuple[tuple[str, Any], ...]:
   """``(path, reduction)`` per model-state array leaf: the user's
   ``model_state_reduction`` pattern that matches its path first, else the known kinds'
   (BatchNorm statistics averaged, RNG streams the same on every device), else None."""
   declared = options.model_state_reduction or {}
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(
-      model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+      model_state, is_leaf=library.is_node)[0]:
     name = leaf_name(path)
     kind = next((k for pattern, k in declared.items() if fnmatch.fnmatchcase(name, pattern)),
                 None)
     if kind is None:
-      if isinstance(leaf, nnx.BatchStat) or name.startswith("batch_stats/"):
+      kind = library.state_reduction(leaf)
+      if name.startswith("batch_stats/"):  # Linen's collection (an NNX BatchStat: 'mean')
         kind = "mean"
-      elif isinstance(leaf, (nnx.RngCount, nnx.RngKey)):
-        kind = "same"
     out.extend((name, kind) for _ in jax.tree.leaves(leaf))
   return tuple(out)
 
 
-def _holders(model: nnx.Module) -> dict[str, list[str]]:
-  """``{param path: paths of the modules holding it}`` for parameters that more than one
-  module holds as an attribute (tied weights)."""
-  first: dict[int, str] = {}
-  held: dict[int, list[str]] = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Param):
-      first.setdefault(id(node), path_name(path))
-    elif isinstance(node, nnx.Module):
-      for value in vars(node).values():
-        if isinstance(value, nnx.Param):
-          held.setdefault(id(value), []).append(path_name(path))
-  return {first[k]: v for k, v in held.items() if len(v) > 1 and k in first}
-
-
-def _linen_census(options: Options, model: Any, variables: Any, example_args: tuple[Any, ...],
-                  example_kwargs: Mapping[str, Any]) -> tuple[list[Any], list[str]] | None:
-  """``(ops, modules)``: which module each matmul of a Linen model's forward pass runs in
-  (traced abstractly from the example inputs); None for other models, or where the
-  inputs given for ``init`` cannot run ``apply`` (a dropout RNG it lacks): a check only."""
-  if not isinstance(model, linen.Module):
-    return None
-  kwargs = {"mutable": True, **example_kwargs}
-  try:
-    with level_rules(options):
-      ops, modules, _ = amp_linen.with_policy(model, options.policy).matmul_census(
-          _flax_compat.unbox(variables), *example_args, **kwargs)
-  except Exception:  # pylint: disable=broad-except
-    return None
-  return ops, modules
-
-
-def _gathers_per_layer(options: Options, adapter: Any, model: Any) -> bool:
+def _gathers_per_layer(options: Options, library: Library, model: Any) -> bool:
   """Whether the sharded step gathers each parameter where it is read (``gather``
   ``'layer'``, or ``'auto'`` where the model supports it): models whose parameter reads
-  jaxamp sees: NNX models (Variable hooks) without bridged Linen modules (which read
-  their parameters as a whole), Linen models (``self.param`` unboxes the slice),
-  Equinox models (their policy views' field reads)."""
+  jaxamp sees (the library says why not where it cannot: NNX models holding bridged
+  Linen modules, which read their parameters as a whole)."""
   gather = sharding_lib.gather_of(options.param_sharding)
-  why = None
-  if isinstance(adapter, NNXAdapter) and any(
-      isinstance(node, nnx.bridge.ToNNX) for _, node in nnx.iter_graph(model)):
-    why = "the model holds bridged Linen modules (nnx.bridge.ToNNX)"
+  why = library.layer_gather_refusal(model)
   if gather == "layer" and why is not None:
     raise ValueError(f"gather='layer' gathers each parameter where a module reads it, but "
                      f"{why}. Use gather='model' (or 'auto'): the whole model gathered at "
                      "the step's start.")
   return gather != "model" and why is None
+
+
+def _fp8_census(options: Options, library: Library, model: Any, variables: Any,
+                example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any]
+                ) -> tuple[list[Any], list[str]] | None:
+  """``(ops, modules)``: which module each matmul of the forward pass runs in, where the
+  library takes that census from ``init``'s inputs (Linen); else None: a check only."""
+  with level_rules(options):
+    return library.fp8_census(model, variables, example_args, example_kwargs,
+                              options.policy)
 
 
 def _computes_in_half(options: Options, rows: list[Any] | None) -> bool:
@@ -262,11 +162,15 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   """The first state for ``model`` and the plan of the step that trains it (the state
   not yet placed on the mesh). See :meth:`jaxamp.TrainStep.init`."""
   rules = rules_lib.snapshot()  # the step traces under the rules in force now
-  model, recompute = unwrap(options, model)
+  library = _library(model, variables)
+  model, recompute = unwrap(options, library, model)
   # Each init decides afresh: a wrapped model's request does not outlive it.
   recompute = options.recompute_norms or recompute
   with level_rules(options):
-    split = _split_model(options, model, recompute, variables, example_args, example_kwargs)
+    split = library.split(model, options.policy, variables=variables,
+                          example_args=example_args, example_kwargs=example_kwargs,
+                          recompute_norms=recompute, rng_streams=options.rng_streams)
+  holders = library.holders(model) if options.param_sharding is not None else {}
   name = type(model).__name__
   rows = split.rows
   if rows is not None:
@@ -277,19 +181,20 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     # Read the specs while Linen's partitioning boxes are still on, then drop them.
     specs = sharding_lib.param_specs(options.param_sharding, params, options.mesh)
     params, model_state = _flax_compat.unbox((params, model_state))
-  params = _stored(options, params, rows, name)
-  reductions = _state_reductions(options, model_state) if options.mesh is not None else None
-  if isinstance(split.adapter, NNXAdapter):  # the Variables' types and metadata are read
-    params, model_state, specs = map(NNXAdapter.plain, (params, model_state, specs))
+  params = _stored(options, library, params, rows, name)
+  reductions = (_state_reductions(options, library, model_state)
+                if options.mesh is not None else None)
+  # The Variables' types and metadata are read: the state holds plain trees.
+  params, model_state, specs = map(library.plain, (params, model_state, specs))
   shards, layer_gather = None, False
   if specs is not None:
-    gather_dtypes = _gather_dtypes(params, rows, split.holders)
+    gather_dtypes = _gather_dtypes(params, rows, holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
     shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
                             options.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
-    layer_gather = _gathers_per_layer(options, split.adapter, model)
+    layer_gather = _gathers_per_layer(options, library, model)
   master_weights = options.master_weights
   if master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
@@ -304,8 +209,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   # FP8 amax histories and scales: their own field, out of the optimizer's reach.
   fp8_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
   if rows is not None:
-    fp8_lib.warn_if_unused(rows, name, options.policy.name, census=lambda: _linen_census(
-        options, model, variables, example_args, example_kwargs))
+    fp8_lib.warn_if_unused(rows, name, options.policy.name,
+                           census=lambda: _fp8_census(options, library, model, variables,
+                                                      example_args, example_kwargs))
   state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                      model_state=model_state,
                      rng=jax.random.key(options.seed) if split.adapter.uses_rng else None,
@@ -324,8 +230,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
 def arrays_held(model: Any, variables: Any) -> list[jax.Array]:
   """The arrays the user's objects passed to ``init`` hold: an NNX model's Variables,
   the Linen variables, an Equinox model's (or another pytree's) leaves."""
-  tree = nnx.state(model) if isinstance(model, nnx.Module) else model
-  return [x for x in jax.tree.leaves((tree, variables)) if isinstance(x, jax.Array)]
+  library = adapters.library_of(model)
+  tree = (model, variables) if library is None else library.arrays(model, variables)
+  return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
 def _buffers(x: jax.Array) -> set[Any]:

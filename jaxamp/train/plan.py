@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxamp.adapters import Adapter
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import at_least_float32, is_floating_dtype, real_or_complex
 from jaxamp.policy import Policy
@@ -188,7 +189,7 @@ class Plan:
   """
 
   options: Options
-  adapter: Any
+  adapter: Adapter
   optimizer: optax.GradientTransformation
   master_weights: bool
   recompute_norms: bool = False
