@@ -22,7 +22,9 @@ float32 by the default norm rule. Methods other than ``__call__`` run under the 
 where :data:`POLICY_METHODS` names them. The first call of a view warns once when a
 module computing in half precision still runs matmuls in float32 (:mod:`jaxamp.census`),
 naming it. ``make_train_step`` trains Equinox models (and other pytrees) through
-:class:`jaxamp.train.adapters.EquinoxAdapter`.
+:class:`jaxamp.adapters.EquinoxAdapter`. Under an FP8 policy (``'mixed_fp8'``) the
+matmul of each ``eqx.nn.Linear`` runs as :func:`jaxamp.fp8.scaled_dot_general`, with
+its state in the train step's FP8 state as for the Flax layers.
 
 Example:
   >>> import jax, jax.numpy as jnp, equinox as eqx
@@ -48,6 +50,7 @@ import jax
 import numpy as np
 
 from jaxamp import _warn_once
+from jaxamp import fp8 as fp8_lib
 from jaxamp.casting import at_least_float32, cast_leaf, is_floating_array, read_as
 from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
                            warn_float32_matmuls)
@@ -78,6 +81,7 @@ class _Info(NamedTuple):
   output_dtype: np.dtype
   recompute_norms: bool = False
   scope: int | None = None
+  fp8_path: str | None = None  # an FP8 layer's path: its FP8 state's key
 
 
 def _info(module: Any) -> _Info | None:
@@ -252,6 +256,8 @@ def _policy_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
   compute = info.policy.compute_dtype
+  if fn is eqx.nn.Linear.__call__ and fp8_lib.runs_fp8(info.base, info.policy):
+    fn = _fp8_linear(info)
   gather = fn is eqx.nn.Embedding.__call__  # a lookup: keep the table, cast the rows
   sliced = _owns_slices(module)  # FSDP, gather='layer': fields gathered where read
 
@@ -281,6 +287,36 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
   else:
     out = run(module, args, kwargs, tie)
   return _cast_values(out, info.output_dtype)
+
+
+def fp8_classes() -> tuple[type, ...]:
+  """The layers whose matmul runs in FP8 under an FP8 policy."""
+  return (eqx.nn.Linear,)
+
+
+def fp8_rows(model: Any, rows: list[Any]) -> list[Any]:
+  """The rows of ``module_policies(model)`` that keep FP8 state: all but layers holding
+  a stack of weights (one per step of a ``lax.scan``), which run with current scaling."""
+  stacked = {path_name(path) for path, m in _walk(model)
+             if isinstance(m, eqx.nn.Linear) and np.ndim(m.weight) > 2}
+  return [row for row in rows if row[0] not in stacked]
+
+
+def _fp8_linear(info: _Info) -> Callable[..., Any]:
+  """``eqx.nn.Linear.__call__`` with its matmul an FP8 dot (:func:`jaxamp.fp8.dot_for`:
+  the module's state in the running step, read when the matmul runs)."""
+
+  def call(self, x, *, key=None):
+    del key
+    dot = fp8_lib.dot_for(info.fp8_path, info.policy.fp8, f"Linear {info.fp8_path}")
+    if self.in_features == "scalar":
+      x = x.reshape(x.shape + (1,))
+    y = dot(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+    if self.bias is not None:
+      y = y + self.bias
+    return y[..., 0] if self.out_features == "scalar" else y
+
+  return call
 
 
 def _owns_slices(module: Any) -> bool:
@@ -314,7 +350,9 @@ def _view(model: Any, policy: Policy, *, float32_outputs: bool = False,
     base = _base_class(type(module))  # every module: its fields read as the reader computes
     p = policies[path]
     out = at_least_float32(p.output_dtype) if top and float32_outputs else p.output_dtype
-    return _policy_class(_Info(base, p, policy, np.dtype(out), bool(recompute_norms)))
+    fp8_path = path_name(path) if fp8_lib.runs_fp8(base, p) else None
+    return _policy_class(_Info(base, p, policy, np.dtype(out), bool(recompute_norms),
+                               fp8_path=fp8_path))
 
   return _rebuilt(model, make, cast=policy.compute_dtype)
 
@@ -451,7 +489,8 @@ def _census(view: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
   _state.census = True
   try:
-    jaxpr = jax.make_jaxpr(run)(arrays)
+    with fp8_lib.suspended():  # inside a step: the abstract pass records no FP8 use
+      jaxpr = jax.make_jaxpr(run)(arrays)
   finally:
     _state.census = False
   return module_matmuls(jaxpr), [path_name(path) for path, _ in modules]

@@ -333,7 +333,7 @@ def suspended() -> Iterator[None]:
     _local.scopes.pop()
 
 
-def _dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., Any]:
+def dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., Any]:
   """The FP8 ``dot_general`` of the module at ``path`` in the running scope.
 
   Its state is read when the module's matmul runs, not before: a module whose matmul
@@ -453,17 +453,28 @@ def nnx_classes() -> tuple[type, ...]:
   return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 
-def _linen_classes() -> tuple[type, ...]:
+def linen_classes() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   return (nn.Dense, nn.DenseGeneral)
+
+
+# Each registered model library's FP8 layer classes (jaxamp.adapters.register hooks
+# them here: fp8 sits below the libraries and names none of them itself).
+_hooked: list[Callable[[], tuple[type, ...]]] = []
+
+
+def hook_classes(classes: Callable[[], tuple[type, ...]]) -> None:
+  """Registers a function giving layer classes whose matmul runs FP8 (called each time:
+  a library imported later adds its classes then)."""
+  _hooked.append(classes)
 
 
 def runs_fp8(cls: type, policy: Any) -> bool:
   """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
   if getattr(policy, "fp8", None) is None:
     return False
-  return issubclass(cls, nnx_classes()) or issubclass(cls, _linen_classes())
+  return any(issubclass(cls, classes()) for classes in _hooked)
 
 
 def nnx_stacked(module: Any) -> bool:
@@ -481,7 +492,8 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
-_HOOKED = "NNX Linear, LinearGeneral, Einsum and Linen Dense, DenseGeneral"
+_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Linen Dense, DenseGeneral and Equinox "
+           "Linear")
 
 
 def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
@@ -623,11 +635,11 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
     if attrs.get("einsum_op") is not jnp.einsum:
       return {}  # the user's own op: theirs to keep
     return {"einsum_op": functools.partial(scaled_einsum,
-                                           dot_general=_dot_for(path, policy.fp8, what))}
+                                           dot_general=dot_for(path, policy.fp8, what))}
   if attrs.get("dot_general_cls") is not None or attrs.get("dot_general") not in (
       None, lax.dot_general):
     return {}  # the user's own dot: theirs to keep
-  return {"dot_general": _dot_for(path, policy.fp8, what)}
+  return {"dot_general": dot_for(path, policy.fp8, what)}
 
 
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
@@ -637,11 +649,11 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
   ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``), once
   per slice of its stacked parameters: it gets no state (current scaling).
   """
-  if getattr(policy, "fp8", None) is None or not isinstance(module, _linen_classes()):
+  if getattr(policy, "fp8", None) is None or not isinstance(module, linen_classes()):
     return {}
   if module.dot_general_cls is not None or (
       module.dot_general is not None and not getattr(module.dot_general, "jaxamp_fp8", False)):
     return {}  # the user's own dot (a lifted clone inherits ours: it gets its own)
   name = "/".join(path)
-  return {"dot_general": _dot_for(None if lifted else name, policy.fp8,
+  return {"dot_general": dot_for(None if lifted else name, policy.fp8,
                                   f"{type(module).__name__} {name}")}
