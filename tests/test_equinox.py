@@ -351,3 +351,42 @@ def test_summary_lists_every_module_and_the_dtypes_its_matmuls_ran_in():
       eqx.filter(lm(), eqx.is_inexact_array)))
   unchecked = jaxamp.summary(lm(), policy="mixed_bfloat16")
   assert not unchecked.checked and len(unchecked.rows) == len(s.rows)
+
+
+# --- FP8 -----------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:.*runs FP8 matmuls upcast:RuntimeWarning")
+@pytest.mark.parametrize("shape", [(4, 3), ("scalar", 3), (4, "scalar")])
+def test_an_fp8_linear_runs_the_scaled_dot(shape):
+  n_in, n_out = shape
+  layer = eqx.nn.Linear(n_in, n_out, key=jax.random.key(0))
+  x = jnp.linspace(-2.0, 2.0, 4) if n_in != "scalar" else jnp.asarray(0.7)
+  out = amp_eqx.with_policy(layer, "mixed_fp8")(x)
+  plain = amp_eqx.with_policy(layer, "mixed_bfloat16")(x)
+  # Outside a train step: current scaling, input and kernel cast to bfloat16 first.
+  x2 = jnp.reshape(x, (-1,)).astype(jnp.bfloat16)
+  w = layer.weight.astype(jnp.bfloat16)
+  expected = jaxamp.fp8.scaled_dot_general(x2, w, (((0,), (1,)), ((), ())))
+  expected = expected + layer.bias.astype(jnp.bfloat16)
+  expected = expected[0] if n_out == "scalar" else expected
+  assert out.shape == plain.shape and out.dtype == plain.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+  view = amp_eqx.with_policy(layer, "mixed_fp8")
+  lowered = jax.jit(lambda m, x: m(x)).lower(view, x).as_text()
+  assert "f8E4M3FN" in lowered
+
+
+def test_fp8_state_goes_to_every_linear_but_stacked_ones():
+  policy = jaxamp.get_policy("mixed_fp8")
+  rows = amp_eqx.module_policies(lm(), policy)
+  linears = {path for path, cls, _ in rows if issubclass(cls, eqx.nn.Linear)}
+  assert "head" in linears and "blocks/0/attn/query_proj" in linears
+  assert {path for path, _, _ in amp_eqx.fp8_rows(lm(), rows)} >= linears
+  assert set(jaxamp.fp8.init_state(amp_eqx.fp8_rows(lm(), rows))) == linears
+  assert jaxamp.summary(lm(), policy="mixed_fp8").fp8_modules == tuple(
+      r.path for r in jaxamp.summary(lm(), policy="mixed_fp8").rows if r.path in linears)
+  scan = ScanLM(jax.random.key(0))
+  scan_rows = amp_eqx.module_policies(scan, policy)
+  stacked = {path for path, cls, _ in scan_rows if issubclass(cls, eqx.nn.Linear)}
+  assert stacked and not jaxamp.fp8.init_state(amp_eqx.fp8_rows(scan, scan_rows))

@@ -89,3 +89,31 @@ def test_a_parameter_out_of_float16_range_is_refused_not_stored_as_inf():
   variables["params"]["kernel"] = variables["params"]["kernel"].at[0, 0].set(-1e5)
   with pytest.raises(ValueError, match="inf: kernel"):
     jaxamp.convert_for_inference(variables, x, module=module, policy="mixed_float16")
+
+
+def test_equinox_conversion_stores_each_module_in_its_compute_dtype():
+  eqx = pytest.importorskip("equinox")
+  import jaxamp.equinox as amp_eqx  # pylint: disable=g-import-not-at-top
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  model = eqx.nn.Sequential([eqx.nn.Linear(4, 8, key=k1), eqx.nn.LayerNorm(8),
+                             eqx.nn.Lambda(jax.nn.relu), eqx.nn.Linear(8, 2, key=k2)])
+  x = jnp.linspace(-1.0, 1.0, 4)
+  served = jaxamp.convert_for_inference(model, policy="mixed_float16")
+  assert type(served) is type(model)
+  assert _dtypes(eqx.filter(served.layers[0], eqx.is_inexact_array)) == {jnp.dtype(jnp.float16)}
+  assert _dtypes(eqx.filter(served.layers[1], eqx.is_inexact_array)) == {jnp.dtype(jnp.float32)}
+  assert _dtypes(eqx.filter(served.layers[3], eqx.is_inexact_array)) == {jnp.dtype(jnp.float16)}
+  assert _dtypes(eqx.filter(model, eqx.is_inexact_array)) == {jnp.dtype(jnp.float32)}  # untouched
+  np.testing.assert_array_equal(amp_eqx.with_policy(served, "mixed_float16")(x),
+                                amp_eqx.with_policy(model, "mixed_float16")(x))
+  # A view converts under its own policy, and comes back a plain model.
+  view = amp_eqx.with_policy(model, "mixed_bfloat16")
+  from_view = jaxamp.convert_for_inference(view)
+  assert not amp_eqx.is_policy_view(from_view)
+  assert from_view.layers[0].weight.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="module= is for Linen variables"):
+    jaxamp.convert_for_inference(model, module=nn.Dense(2))
+  big = eqx.tree_at(lambda m: m.layers[3].weight, model, model.layers[3].weight * 1e6)
+  with pytest.raises(ValueError, match=r"inf: layers/3/weight \(\|max\| .*, float16\)"):
+    jaxamp.convert_for_inference(big, policy="mixed_float16")
