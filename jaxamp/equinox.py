@@ -24,7 +24,9 @@ module computing in half precision still runs matmuls in float32 (:mod:`jaxamp.c
 naming it. ``make_train_step`` trains Equinox models (and other pytrees) through
 :class:`jaxamp.adapters.EquinoxAdapter`. Under an FP8 policy (``'mixed_fp8'``) the
 matmul of each ``eqx.nn.Linear`` runs as :func:`jaxamp.fp8.scaled_dot_general`, with
-its state in the train step's FP8 state as for the Flax layers.
+its state in the train step's FP8 state as for the Flax layers (under ``jax.vmap`` the
+amax a step records is the sum of the mapped examples' amaxes: JAX sums the history's
+cotangent over them).
 
 Example:
   >>> import jax, jax.numpy as jnp, equinox as eqx
