@@ -2,9 +2,9 @@
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
 with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
-projections included) and Linen ``Dense``/``DenseGeneral`` layers in FP8 and everything
-else in its compute dtype (bfloat16 for the named ones): norms, softmax, attention scores,
-the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
+projections included), Linen ``Dense``/``DenseGeneral`` and Equinox ``Linear`` layers in FP8
+and everything else in its compute dtype (bfloat16 for the named ones): norms, softmax,
+attention scores, the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
 output gradient to E5M2 (max 57344), one scale per tensor, products accumulated in
 float32 and returned in the compute dtype.
