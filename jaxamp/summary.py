@@ -1,4 +1,4 @@
-"""A per-module table of policies and parameter memory, for NNX and Linen models.
+"""A per-module table of policies and parameter memory, for NNX, Linen and Equinox models.
 
 Example:
   >>> import jaxamp

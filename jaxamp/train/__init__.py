@@ -22,7 +22,8 @@ Example:
 
 The package is the step in stages (``docs/architecture.md`` has the map):
 ``state`` (the train state and its checks), ``plan`` (options and what ``init``
-learns), ``adapters`` (NNX, Linen), ``init``, ``optimizer`` (loss scale and skip),
+learns), ``init`` (the model read through its library, :mod:`jaxamp.adapters`),
+``optimizer`` (loss scale and skip),
 ``gradients`` (loss, gradients, accumulation), ``devices`` (mesh reduction and FSDP),
 ``gather`` (where FSDP gathers), ``update`` (the exact skip and the apply), ``step``
 (the stages composed), ``layout`` (shardings), ``monitor`` (skipped-step warnings),
