@@ -4,6 +4,8 @@ Linen and Equinox model through it."""
 import ast
 import dataclasses
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,18 @@ def test_registry_holds_the_three_libraries():
   assert adapters.library_of({"n": jnp.ones(2, jnp.int32)}, pytrees=True) is None
   with pytest.raises(ValueError, match="already registered"):
     adapters.register(adapters.NNX)
+
+
+def test_asking_the_registry_does_not_import_equinox():
+  code = ("import sys, jaxamp, jax.numpy as jnp\n"
+          "from jaxamp import adapters\n"
+          "assert adapters.library_of(object()) is None\n"
+          "assert adapters.library_of({'w': jnp.ones(2)}, pytrees=True).name == 'equinox'\n"
+          "assert not jaxamp.fp8.runs_fp8(object, jaxamp.get_policy('mixed_fp8'))\n"
+          "print('equinox' in sys.modules)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, cwd=pathlib.Path(jaxamp.__file__).parent.parent)
+  assert out.stdout.strip() == "False"
 
 
 @pytest.fixture(params=list(CASES), name="case")
