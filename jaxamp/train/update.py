@@ -1,7 +1,8 @@
 """Stage four of the step: unscale, check, and apply the update or skip it exactly.
 
 One reduction of the gradients gives their global norm and the verdict (every element
-finite, and the norm within float32's range). A ``lax.cond`` then runs the optimizer
+finite, and the norm within float32's range); that, what a skipped step keeps and the
+loss scale's rule on it are :mod:`jaxamp.skip`'s. A ``lax.cond`` then runs the optimizer
 only on a finite step; on a skipped one only the loss scale moves (it backs off) and
 the parameters, every optimizer-state leaf, the model state and the FP8 state stay
 bit-identical. With master weights the optimizer updates float32 copies and the stored
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp import skip
+from jaxamp import skip as skip_lib
 from jaxamp.casting import NarrowCotangents, is_floating_array, widen_floating
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import MasterWeightsState, TrainState
@@ -54,7 +55,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     # else each parameter's dtype.
     return widen_floating(grads) if plan.master_weights else grads
 
-  opt_grads, grad_norm, grads_finite = skip.unscaled_norm_and_finite(received(grads), unit)
+  opt_grads, grad_norm, grads_finite = skip_lib.unscaled_norm_and_finite(received(grads), unit)
   # The cond holds each gradient as narrow as it was computed and widens (and unscales)
   # it inside the branch, as a step without the skip does in its update: a float32
   # gradient that is a half-precision cotangent widened crosses as that cotangent, and
@@ -69,7 +70,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     if dtype is None:  # held as the optimizer receives it
       return held
     wide = received(held.astype(dtype))
-    return wide if unit is None else skip.unscale(wide, unit)
+    return wide if unit is None else skip_lib.unscale(wide, unit)
 
   def unpack(held: list[Any]) -> Any:
     # In the branch: each held gradient back as the optimizer receives it.
@@ -81,7 +82,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     opt_grads = unpack(held)
     # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
     # with a second one computed inside this branch).
-    known_norm = skip.KnownNorm.of(opt_grads, grad_norm)
+    known_norm = skip_lib.KnownNorm.of(opt_grads, grad_norm)
     opt_state, params = _update(plan, state, opt_grads, loss, finite=True,
                                 known_norm=known_norm)
     # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
@@ -89,23 +90,23 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     params_finite = _params_finite(params)
     if params_finite is None:
       return params, opt_state, model_state, fp8, np.bool_(True)
-    opt_state = skip.skipped_for_params(params_finite, opt_state, state.opt_state)
-    keep = lambda new, old: skip.select_tree(params_finite, new, old)
+    opt_state = skip_lib.skipped_for_params(params_finite, opt_state, state.opt_state)
+    keep = lambda new, old: skip_lib.select_tree(params_finite, new, old)
     return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
             keep(fp8, state.fp8), params_finite)
 
-  def skipped(operands):
+  def skip(operands):
     # Only the loss scale moves (it backs off); the rest of the state is kept.
     state, held = operands[:2]
-    if plan.overflow is not None:  # skip.overflow_rule: the loss scale's rule alone
-      opt_state = skip.on_overflow(plan.overflow, state.opt_state)
+    if plan.overflow is not None:  # skip_lib.overflow_rule: the loss scale's rule alone
+      opt_state = skip_lib.on_overflow(plan.overflow, state.opt_state)
     else:
       opt_state, _ = _update(plan, state, unpack(held), operands[2], finite=False)
     return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
 
   operands = (state, list(held), loss, grad_norm, model_state, fp8)
   if plan.options.skip_nonfinite:
-    outs = _flat_cond(grads_finite, apply, skipped, operands)
+    outs = _flat_cond(grads_finite, apply, skip, operands)
   else:
     # skip_nonfinite=False: every update applied, no lax.cond (whose predicate an XLA
     # GPU program reads back to the host before running a branch). init refused it
@@ -116,13 +117,13 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
 
 
 def _update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array, *, finite: bool,
-            known_norm: skip.KnownNorm | None = None) -> tuple[Any, Any]:
+            known_norm: skip_lib.KnownNorm | None = None) -> tuple[Any, Any]:
   """The optimizer's new state and the new params, told whether ``grads`` are finite
   (and, if known, their global norm). The loss goes along as optax's ``value`` extra
   argument (``optax.contrib.reduce_on_plateau`` reads it; chains give it only to the
   elements that take it)."""
   # Unscaled already, by apply_or_skip.
-  flag = skip.Verdict(finite=finite, unscaled=True, norm=known_norm).extra_args()
+  flag = skip_lib.Verdict(finite=finite, unscaled=True, norm=known_norm).extra_args()
   flag["value"] = loss
   if plan.master_weights:
     master, inner = state.opt_state
@@ -141,7 +142,7 @@ def float16_leaves(params: Any) -> list[Any]:
 def _params_finite(params: Any) -> jax.Array | None:
   """Whether every float16 parameter is finite; None if none is stored in float16."""
   half = float16_leaves(params)
-  return skip.all_finite(half) if half else None
+  return skip_lib.all_finite(half) if half else None
 
 
 def _held(grad: Any, opt_grad: Any, found: NarrowCotangents | None
