@@ -127,3 +127,21 @@ def test_a_type_error_in_loss_fn_is_raised_and_the_recording_reads_stay():
   with pytest.raises(TypeError):
     train.step(state, make_batches(1)[0])
   assert train.plan.narrow_reads
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxamp.dynamic_loss_scale(initial_scale=64.0, backoff_factor=0.25, min_scale=8.0),
+    lambda: jaxamp.static_loss_scale(128.0),
+    jaxamp.no_loss_scale,
+])
+def test_overflow_rule_is_the_loss_scales_own_update_bit_for_bit(make):
+  ls = make()
+  rule = skip.overflow_rule(skip.skip_nonfinite(optax.chain(ls, optax.adam(1e-3))),
+                            {"w": jnp.ones(3)})
+  flags = Verdict(finite=False, unscaled=True).extra_args()
+  state = expected = ls.init(None)
+  for _ in range(4):
+    state = jax.jit(rule)(state)
+    expected = ls.update({"w": jnp.ones(3)}, expected, **flags)[1]
+    assert _bits(state) == _bits(expected)
+  assert int(state.overflow_steps) == 4
