@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Any
 
@@ -33,39 +32,12 @@ import jax
 import numpy as np
 import optax
 
-from jaxamp import loss_scale as _ls
 from jaxamp.casting import is_inexact_array
+# The norm a caller offers is part of the skip's verdict protocol (jaxamp.skip); its
+# names are re-exported here, where they have always been.
+from jaxamp.skip import GLOBAL_NORM, KnownNorm, Verdict, unscaled_norm_and_finite
 
 __all__ = ["GLOBAL_NORM", "KnownNorm", "clip_by_global_norm"]
-
-# The optax extra argument by which a caller that has taken the global norm of the
-# gradients it passes (make_train_step) offers it: a KnownNorm.
-GLOBAL_NORM = "jaxamp_global_norm"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class KnownNorm:
-  """The float32 (or float64) global norm of the arrays ``leaves`` (a caller's offer to
-  reuse it).
-
-  Not a pytree: optax passes extra arguments through, never maps over them.
-  """
-
-  norm: jax.Array
-  leaves: tuple[Any, ...]
-
-  @classmethod
-  def of(cls, tree: Any, norm: jax.Array) -> KnownNorm:
-    return cls(norm, tuple(jax.tree.leaves(tree)))
-
-  def norm_of(self, tree: Any) -> jax.Array | None:
-    """The norm, if ``tree``'s leaves are the very arrays it was taken of; else None."""
-    leaves = jax.tree.leaves(tree)
-    if len(leaves) != len(self.leaves):
-      return None
-    if all(a is b for a, b in zip(leaves, self.leaves)):
-      return self.norm
-    return None
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
@@ -103,10 +75,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
   def update_fn(updates: Any, state: Any, params: Any = None,
                 **extra_args: Any) -> tuple[Any, Any]:
     del params
-    known = extra_args.get(GLOBAL_NORM)
-    norm = known.norm_of(updates) if isinstance(known, KnownNorm) else None
+    known = Verdict.read(extra_args).norm
+    norm = known.norm_of(updates) if known is not None else None
     if norm is None:
-      norm = _ls.unscaled_norm_and_finite(updates, None)[1]
+      norm = unscaled_norm_and_finite(updates, None)[1]
     trigger = norm < max_norm
 
     def clip(t: Any) -> Any:

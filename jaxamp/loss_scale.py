@@ -36,12 +36,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +45,23 @@ import numpy as np
 import optax
 
 from jaxamp import dtypes
-from jaxamp.casting import at_least_float32, is_inexact_array
+from jaxamp.casting import at_least_float32
 from jaxamp.policy import PolicyLike, get_policy
+# The exact skip (the verdict, the state, its rule, skip_nonfinite) is jaxamp.skip's;
+# its public names are re-exported here, where they have always been.
+from jaxamp.skip import (
+    LossScaleState,
+    ScaleRule,
+    SkipNonfiniteState,
+    Verdict,
+    all_finite,
+    loss_scale_states,
+    overflow_rule,
+    skip_nonfinite,
+    unscale,
+    unscaled_norm_and_finite,
+    zero_unless,
+)
 
 __all__ = [
     "LossScaleState",
@@ -69,39 +80,6 @@ __all__ = [
 
 _FLOAT32_MAX = dtypes.FORMATS["float32"].max
 _INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-class LossScaleState(NamedTuple):
-  """State of a loss-scale transformation.
-
-  Holds only what changes from step to step; the hyperparameters (growth and
-  backoff factors, interval, floor, ceiling) live in the transformation, so they
-  survive ``jax.tree.flatten``/``unflatten``, ``jax.jit`` and checkpointing.
-
-  Attributes:
-    scale: float32 scalar the loss is multiplied by (always float32, whatever
-      the gradients' dtype).
-    growth_count: int32 scalar, consecutive finite steps since the scale last
-      changed or the last non-finite step.
-    finite: bool scalar, whether the last step's unscaled gradients were all
-      finite (``True`` after ``init``).
-    overflow_steps: int32 scalar, total number of non-finite steps.
-  """
-
-  scale: jax.Array
-  growth_count: jax.Array
-  finite: jax.Array
-  overflow_steps: jax.Array
-
-
-class SkipNonfiniteState(NamedTuple):
-  """State of :func:`skip_nonfinite`.
-
-  Attributes:
-    inner_state: the wrapped optimizer's state.
-  """
-
-  inner_state: Any
 
 
 def _hyperparameter(name: str, value: Any) -> float:
@@ -130,189 +108,6 @@ def _check_scale(name: str, value: Any) -> float:
   return number
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every floating or complex array leaf of ``tree`` is finite.
-
-  A complex element is finite when its real and imaginary parts both are. Integer,
-  boolean and other leaves count as finite; an empty tree is finite.
-
-  Args:
-    tree: a pytree.
-
-  Returns:
-    A bool scalar ``jax.Array``.
-
-  Example:
-    >>> import jax.numpy as jnp, jaxamp
-    >>> bool(jaxamp.all_finite({'a': jnp.ones(2), 'ids': jnp.arange(2)}))
-    True
-    >>> bool(jaxamp.all_finite([jnp.array([1.0, jnp.inf], jnp.float16)]))
-    False
-  """
-  # lax, not jnp: one primitive per operation (jnp wraps each in its own jit), which
-  # keeps the train step's trace short; the answer is the same.
-  checks = [_reduce_all(_is_finite(x)) for x in jax.tree.leaves(tree) if is_inexact_array(x)]
-  return functools.reduce(jax.lax.bitwise_and, checks) if checks else jnp.asarray(True)
-
-
-def _is_finite(x: jax.Array) -> jax.Array:
-  """Elementwise ``jnp.isfinite``: both parts of a complex element finite."""
-  if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
-    return jax.lax.bitwise_and(jax.lax.is_finite(jax.lax.real(x)),
-                               jax.lax.is_finite(jax.lax.imag(x)))
-  return jax.lax.is_finite(x)
-
-
-def _reduce_all(x: jax.Array) -> jax.Array:
-  return jax.lax.reduce_and(x, tuple(range(x.ndim))) if x.ndim else x
-
-
-def _sum_of_squares(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  """``sum(|x| ** 2)`` in ``dtype`` (a real dtype), in lax primitives (a complex element
-  counts both parts, as ``optax.tree.norm`` does)."""
-  if x.dtype.kind == "c":  # a complex dtype (cheaper than jnp.issubdtype per leaf)
-    return jax.lax.add(_sum_of_squares(jax.lax.real(x), dtype),
-                       _sum_of_squares(jax.lax.imag(x), dtype))
-  if x.dtype != dtype:
-    x = jax.lax.convert_element_type(x, dtype)
-  square = jax.lax.square(x)
-  return jax.lax.reduce_sum(square, tuple(range(x.ndim))) if x.ndim else square
-
-
-def _zero_unless(finite: jax.Array, tree: Any) -> Any:
-  """``tree`` where ``finite``, else zeros in every numeric array leaf.
-
-  A select, not a multiply, so NaN and inf never leak into the result.
-  """
-
-  def leaf(x: Any) -> Any:
-    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.number):
-      return jnp.where(finite, x, jnp.zeros_like(x))
-    return x
-
-  return jax.tree.map(leaf, tree)
-
-
-def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
-  """Leafwise ``new if pred else old`` for two trees of one structure; jit-able.
-
-  Selecting (rather than blending arithmetically) keeps the chosen leaves
-  bit-identical, NaN and inf in the other tree included.
-  """
-  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
-
-
-# The optax extra argument by which a caller that has already checked the gradients
-# (make_train_step) tells the loss scale and skip_nonfinite the answer, a Python bool:
-# they then skip their own check and selects.
-GRADS_FINITE = "jaxamp_grads_finite"
-# And by which it says the gradients it passes are unscaled already (it divided them, or
-# never multiplied the loss): the loss scale then does not divide them.
-GRADS_UNSCALED = "jaxamp_grads_unscaled"
-
-
-def _unscale_leaf(g: Any, scale: jax.Array) -> Any:
-  if not is_inexact_array(g):
-    return g
-  # In float32 (float64 stays float64, complex64 complex64): a scale above 65504 is inf
-  # in float16. Divided by the real scale, a complex gradient keeps its dtype.
-  wide = at_least_float32(g.dtype)
-  real = jnp.finfo(wide).dtype if wide.kind == "c" else wide
-  return (g.astype(wide) / scale.astype(real)).astype(g.dtype)
-
-
-def unscale(grads: Any, scale: jax.Array) -> Any:
-  """``grads`` divided by ``scale`` as a loss scale does it: in float32, cast back."""
-  return jax.tree.map(lambda g: _unscale_leaf(g, scale), grads)
-
-
-def unscaled_norm_and_finite(grads: Any, scale: jax.Array | None
-                             ) -> tuple[Any, jax.Array, jax.Array]:
-  """``unscale(grads, scale)``, its global norm (float32; float64 if any gradient is) and
-  whether that norm is finite.
-
-  One sum of squares gives both. The norm is finite exactly when every element is finite
-  and the sum of squares stays within its dtype's range (float32: a norm below about
-  1.8e19; float64 where a leaf is float64).
-  Gradients past that are treated like an overflow: clipping by global norm would turn
-  them into a zero update, and Adam's second moment would hold inf from then on.
-  Gradients computed in float16 stay far below it. No exact per-element check is traced
-  besides: it would double the number of reductions XLA compiles for a distinction that
-  no update could use. ``scale=None``: the gradients were never scaled (no division is
-  traced).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jaxamp.loss_scale import unscaled_norm_and_finite
-    >>> _, norm, finite = unscaled_norm_and_finite({'w': jnp.array([3.0, 4.0])}, None)
-    >>> float(norm), bool(finite)
-    (5.0, True)
-    >>> bool(unscaled_norm_and_finite({'w': jnp.array([1e20, 0.0])}, None)[2])
-    False
-  """
-  unscaled = grads if scale is None else unscale(grads, scale)
-  leaves = [x for x in jax.tree.leaves(unscaled) if is_inexact_array(x)]
-  # float32, float64 where a leaf is float64 (the real dtype of a complex one).
-  dtype = np.dtype(jnp.finfo(at_least_float32(*(x.dtype for x in leaves))).dtype)
-  total = functools.reduce(jax.lax.add, (_sum_of_squares(x, dtype) for x in leaves),
-                           np.zeros((), dtype))
-  # The verdict is read off the norm, not the sum: the same answer (a sum of squares is
-  # finite exactly when its root is), and the sum then has one consumer, so XLA fuses
-  # every leaf's reduction into the one kernel that takes the root, where three
-  # consumers left each reduction its own kernel ahead of the skip's branch.
-  norm = jax.lax.sqrt(total)
-  return unscaled, norm, jax.lax.is_finite(norm)
-
-
-_rules_seen = threading.local()
-
-
-@contextlib.contextmanager
-def _seen_rules() -> Any:
-  """Collects the update functions of the loss scales whose ``init`` runs in the block."""
-  previous = getattr(_rules_seen, "found", None)
-  _rules_seen.found = found = []
-  try:
-    yield found
-  finally:
-    _rules_seen.found = previous
-
-
-def _on_plain_path(opt_state: Any) -> int:
-  """How many loss-scale states ``opt_state`` holds on a path of plain containers:
-  chains (tuples, lists), ``named_chain`` (dicts) and :func:`skip_nonfinite`."""
-  if isinstance(opt_state, LossScaleState):
-    return 1
-  if isinstance(opt_state, SkipNonfiniteState):
-    return _on_plain_path(opt_state.inner_state)
-  if isinstance(opt_state, dict):
-    return sum(_on_plain_path(v) for v in opt_state.values())
-  if type(opt_state) in (tuple, list):
-    return sum(_on_plain_path(v) for v in opt_state)
-  return 0
-
-
-def overflow_rule(optimizer: optax.GradientTransformation, params: Any
-                  ) -> Callable[[LossScaleState], LossScaleState] | None:
-  """What ``optimizer``'s loss scale does to its state on a non-finite step, as a
-  function of the state alone, or None if that cannot be known without running the
-  whole update.
-
-  Known when ``optimizer`` holds exactly one loss scale of this module, reached through
-  chains, ``named_chain`` and :func:`skip_nonfinite` only (wrappers such as
-  ``inject_hyperparams`` keep state of their own that a skipped update also moves).
-  Then, on a non-finite step, ``skip_nonfinite(optimizer)`` leaves every other leaf as it
-  was, and a train step needs only this rule, not a trace of the whole update.
-  """
-  with _seen_rules() as found:
-    shapes = jax.eval_shape(optimizer.init, params)
-  if len(found) != 1 or len(_loss_scale_states(shapes)) != 1 or _on_plain_path(shapes) != 1:
-    return None
-  update = found[0]
-  flags = {GRADS_FINITE: False, GRADS_UNSCALED: True}
-  return lambda state: update((), state, **flags)[1]
-
-
 def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: float,
                 growth_interval: int | None, min_scale: float,
                 max_scale: float) -> optax.GradientTransformation:
@@ -320,17 +115,17 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
 
   ``growth_interval=None`` never grows. Gradients are divided by the scale in the
   *state*, the one :func:`scale_loss` multiplied by (unless the caller passes the
-  :data:`GRADS_UNSCALED` extra argument: it divided already, or never multiplied), even
+  :class:`~jaxamp.skip.Verdict` ``unscaled``: it divided already, or never multiplied), even
   a scale this transformation would not have chosen (a state restored from a run with another loss
   scale): scaling and unscaling can never disagree. The next scale is then clamped into
   ``[min_scale, max_scale]``, so such a state takes this transformation's rule from its
   next step on (a fixed scale returns to its value).
   """
 
+  rule = ScaleRule(growth_factor, backoff_factor, growth_interval, min_scale, max_scale)
+
   def init_fn(params: Any) -> LossScaleState:
     del params
-    if getattr(_rules_seen, "found", None) is not None:  # see overflow_rule
-      _rules_seen.found.append(update_fn)
     return LossScaleState(scale=jnp.asarray(initial_scale, jnp.float32),
                           growth_count=jnp.zeros([], jnp.int32),
                           finite=jnp.asarray(True),
@@ -339,43 +134,18 @@ def _loss_scale(initial_scale: float, growth_factor: float, backoff_factor: floa
   def update_fn(updates: Any, state: LossScaleState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, LossScaleState]:
     del params
-    scale = jnp.asarray(state.scale, jnp.float32)
-    if not extra_args.get(GRADS_UNSCALED):
-      updates = unscale(updates, scale)
-    known = extra_args.get(GRADS_FINITE)
-    if known is None:
+    verdict = Verdict.read(extra_args)
+    if not verdict.unscaled:
+      updates = unscale(updates, jnp.asarray(state.scale, jnp.float32))
+    if verdict.finite is None:
       # Checked after unscaling: a scale below 1 can overflow a finite float16 gradient.
       finite = all_finite(updates)
-      updates = _zero_unless(finite, updates)
+      updates = zero_unless(finite, updates)
     else:  # the caller checked these very gradients (make_train_step does)
-      finite = jnp.asarray(bool(known))
-      if not known:
-        updates = _zero_unless(finite, updates)
-
-    # What a known verdict decides is decided in Python: the step traces only its branch.
-    count = state.growth_count + 1
-    if growth_interval is None:
-      grow, grown = np.bool_(False), scale
-    else:
-      grow = count >= growth_interval
-      grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
-    backed_off = lambda: jnp.maximum(scale * backoff_factor, min_scale)
-    if known is None:
-      new_scale = jnp.where(finite, grown, backed_off())
-      growth_count = jnp.where(finite & ~grow, count, 0)
-      overflow_steps = state.overflow_steps + jnp.where(finite, 0, 1)
-    elif known:
-      new_scale = grown
-      growth_count = count if growth_interval is None else jnp.where(grow, 0, count)
-      overflow_steps = state.overflow_steps
-    else:
-      new_scale, growth_count, overflow_steps = backed_off(), 0, state.overflow_steps + 1
-    new_state = LossScaleState(
-        scale=jnp.clip(new_scale, min_scale, max_scale).astype(jnp.float32),
-        growth_count=jnp.asarray(growth_count, jnp.int32),
-        finite=finite,
-        overflow_steps=jnp.asarray(overflow_steps, jnp.int32))
-    return updates, new_state
+      finite = verdict.finite
+      if not finite:
+        updates = zero_unless(jnp.asarray(False), updates)
+    return updates, rule.adjust(state, finite)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -589,11 +359,6 @@ def check_loss_scale_placement(opt_state: Any) -> None:
                        f"state is misplaced: {problem}.")
 
 
-def _loss_scale_states(opt_state: Any) -> list[LossScaleState]:
-  is_state = lambda x: isinstance(x, LossScaleState)
-  return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-
-
 def get_loss_scale(opt_state: Any) -> jax.Array:
   """The current loss scale in ``opt_state``: a float32 scalar, 1.0 if it has none.
 
@@ -617,7 +382,7 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
     >>> float(jaxamp.get_loss_scale(optax.sgd(0.1).init({'w': jnp.ones(2)})))
     1.0
   """
-  states = _loss_scale_states(opt_state)
+  states = loss_scale_states(opt_state)
   if not states:
     return jnp.ones([], jnp.float32)
   if len(states) > 1:
@@ -666,56 +431,3 @@ def loss_scale_for(policy: PolicyLike) -> optax.GradientTransformation:
     return dynamic_loss_scale()
   return no_loss_scale()
 
-
-def skip_nonfinite(optimizer: optax.GradientTransformation
-                   ) -> optax.GradientTransformationExtraArgs:
-  """Makes a non-finite step an exact no-op for ``optimizer``'s state.
-
-  On a non-finite step the updates are zeros and every leaf of the inner state is
-  bit-identical to before, except the :class:`LossScaleState`, which advances
-  (the scale backs off, the counters move). A step is non-finite when a loss-scale
-  element inside ``optimizer`` says so, or, if it has none, when any incoming
-  gradient is inf or NaN. Chooses with ``jnp.where``, so it is jit-able.
-
-  Args:
-    optimizer: the transformation to wrap, usually
-      ``optax.chain(dynamic_loss_scale(), ...)``.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`SkipNonfiniteState`.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, jaxamp
-    >>> opt = jaxamp.skip_nonfinite(optax.chain(jaxamp.dynamic_loss_scale(), optax.adam(1e-3)))
-    >>> state = opt.init(jnp.zeros(2))
-    >>> updates, state = opt.update(jnp.array([1.0, jnp.nan]), state)
-    >>> updates, optax.tree_utils.tree_get(state, 'count'), jaxamp.get_loss_scale(state)
-    (Array([0., 0.], dtype=float32), Array(0, dtype=int32), Array(16384., dtype=float32))
-  """
-  inner = optax.with_extra_args_support(optimizer)
-
-  def init_fn(params: Any) -> SkipNonfiniteState:
-    return SkipNonfiniteState(inner.init(params))
-
-  def update_fn(updates: Any, state: SkipNonfiniteState, params: Any = None,
-                **extra_args: Any) -> tuple[Any, SkipNonfiniteState]:
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    if extra_args.get(GRADS_FINITE) is True:  # checked by the caller: nothing to skip
-      return new_updates, SkipNonfiniteState(new_inner)
-    scales = _loss_scale_states(new_inner)
-    if scales:
-      finite = functools.reduce(jnp.logical_and, [s.finite for s in scales])
-    else:
-      finite = all_finite(updates)
-
-    def keep(new: Any, old: Any) -> Any:
-      if isinstance(new, LossScaleState):
-        return new
-      return _select_tree(finite, new, old)
-
-    inner_state = jax.tree.map(keep, new_inner, state.inner_state,
-                               is_leaf=lambda x: isinstance(x, LossScaleState))
-    return _zero_unless(finite, new_updates), SkipNonfiniteState(inner_state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.loss_scale import _select_tree
+from jaxamp.skip import select_tree as _select_tree
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 

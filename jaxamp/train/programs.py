@@ -5,9 +5,13 @@ that the plan cannot serve the model.
 the plan ``init`` made does not fit what ``loss_fn`` does with the model (nothing was
 donated then); :meth:`Programs.run_step` then changes the plan and compiles again:
 
-- ``loss_fn`` takes a forward-mode derivative (``jax.jvp``) with respect to the
-  parameters, which a recording read's ``custom_vjp`` cannot take: plain reads (every
-  gradient then crosses the skip in float32);
+- tracing or lowering the step with recording reads (the parameter reads that record
+  their half-precision cotangents, a ``custom_vjp``) raises a ``TypeError``: the step is
+  made once more with plain reads (every gradient then crosses the skip in float32),
+  which it keeps if that works. A ``loss_fn`` that takes a forward-mode derivative
+  (``jax.jvp``) with respect to the parameters is such a case: a ``custom_vjp`` has no
+  forward-mode derivative. Where plain reads fail too, the plan is left as it was and
+  their error is raised (a mistake in ``loss_fn`` raises the same either way);
 - under ``gather='auto'`` the model uses a parameter slice as an array rather than
   reading it (:class:`~jaxamp.gather.RawSliceRead`: a Linen tied head reading
   ``self.variables``): the whole model gathered at the step's start. Under
@@ -31,10 +35,6 @@ from jaxamp.train.plan import Options, Plan
 from jaxamp.train.state import TrainState
 
 __all__ = ["Programs"]
-
-# JAX's words when a forward-mode derivative meets a custom_vjp (a recording read).
-_JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp"
-
 
 class Programs:
   """The jitted ``step`` and ``eval_step`` for ``plan`` (``plan`` changes when a
@@ -99,14 +99,28 @@ class Programs:
     while True:
       try:
         return run()
-      except TypeError as e:
-        if not self.plan.narrow_reads or _JVP_OF_CUSTOM_VJP not in str(e):
+      except TypeError:
+        if not self.plan.narrow_reads:
           raise
-        self.plan = dataclasses.replace(self.plan, narrow_reads=False)
+        return self._run_with_plain_reads(run)
       except gather.RawSliceRead as e:
         self._refuse_raw_read(e, self.plan.layer_gather)
         self.plan = dataclasses.replace(self.plan, layer_gather=False)
       self._compile()
+
+  def _run_with_plain_reads(self, run: Callable[[], Any]) -> Any:
+    """``run_step(run)`` with the step made again with plain reads, after recording
+    reads raised a TypeError (chosen by the type: JAX's words are not read). Where
+    that fails too, the recording plan is restored and the plain reads' error raised."""
+    recording = self.plan
+    self.plan = dataclasses.replace(recording, narrow_reads=False)
+    self._compile()
+    try:
+      return self.run_step(run)
+    except BaseException:
+      self.plan = recording
+      self._compile()
+      raise
 
   def run_eval(self, run: Callable[[], Any]) -> Any:
     """``run()`` (which uses :attr:`eval_jit`), and once more with the eval step

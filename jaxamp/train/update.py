@@ -1,7 +1,8 @@
 """Stage four of the step: unscale, check, and apply the update or skip it exactly.
 
 One reduction of the gradients gives their global norm and the verdict (every element
-finite, and the norm within float32's range). A ``lax.cond`` then runs the optimizer
+finite, and the norm within float32's range); that, what a skipped step keeps and the
+loss scale's rule on it are :mod:`jaxamp.skip`'s. A ``lax.cond`` then runs the optimizer
 only on a finite step; on a skipped one only the loss scale moves (it backs off) and
 the parameters, every optimizer-state leaf, the model state and the FP8 state stay
 bit-identical. With master weights the optimizer updates float32 copies and the stored
@@ -18,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp import loss_scale as _ls
+from jaxamp import skip as skip_lib
 from jaxamp.casting import NarrowCotangents, is_floating_array, widen_floating
-from jaxamp.clipping import GLOBAL_NORM, KnownNorm
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import MasterWeightsState, TrainState
 
@@ -55,7 +55,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     # else each parameter's dtype.
     return widen_floating(grads) if plan.master_weights else grads
 
-  opt_grads, grad_norm, grads_finite = _ls.unscaled_norm_and_finite(received(grads), unit)
+  opt_grads, grad_norm, grads_finite = skip_lib.unscaled_norm_and_finite(received(grads), unit)
   # The cond holds each gradient as narrow as it was computed and widens (and unscales)
   # it inside the branch, as a step without the skip does in its update: a float32
   # gradient that is a half-precision cotangent widened crosses as that cotangent, and
@@ -70,7 +70,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     if dtype is None:  # held as the optimizer receives it
       return held
     wide = received(held.astype(dtype))
-    return wide if unit is None else _ls.unscale(wide, unit)
+    return wide if unit is None else skip_lib.unscale(wide, unit)
 
   def unpack(held: list[Any]) -> Any:
     # In the branch: each held gradient back as the optimizer receives it.
@@ -82,7 +82,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     opt_grads = unpack(held)
     # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
     # with a second one computed inside this branch).
-    known_norm = KnownNorm.of(opt_grads, grad_norm)
+    known_norm = skip_lib.KnownNorm.of(opt_grads, grad_norm)
     opt_state, params = _update(plan, state, opt_grads, loss, finite=True,
                                 known_norm=known_norm)
     # A float16 parameter past 65504 (a master weight that grew, or a float16 update)
@@ -90,18 +90,16 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     params_finite = _params_finite(params)
     if params_finite is None:
       return params, opt_state, model_state, fp8, np.bool_(True)
-    opt_state = _skip_on_param_overflow(params_finite, opt_state, state.opt_state)
-    keep = lambda new, old: _ls._select_tree(params_finite, new, old)
+    opt_state = skip_lib.skipped_for_params(params_finite, opt_state, state.opt_state)
+    keep = lambda new, old: skip_lib.select_tree(params_finite, new, old)
     return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
             keep(fp8, state.fp8), params_finite)
 
   def skip(operands):
     # Only the loss scale moves (it backs off); the rest of the state is kept.
     state, held = operands[:2]
-    if plan.overflow is not None:
-      opt_state = jax.tree.map(
-          lambda s: plan.overflow(s) if isinstance(s, _ls.LossScaleState) else s,
-          state.opt_state, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
+    if plan.overflow is not None:  # skip_lib.overflow_rule: the loss scale's rule alone
+      opt_state = skip_lib.on_overflow(plan.overflow, state.opt_state)
     else:
       opt_state, _ = _update(plan, state, unpack(held), operands[2], finite=False)
     return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
@@ -119,15 +117,14 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
 
 
 def _update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array, *, finite: bool,
-            known_norm: KnownNorm | None = None) -> tuple[Any, Any]:
+            known_norm: skip_lib.KnownNorm | None = None) -> tuple[Any, Any]:
   """The optimizer's new state and the new params, told whether ``grads`` are finite
   (and, if known, their global norm). The loss goes along as optax's ``value`` extra
   argument (``optax.contrib.reduce_on_plateau`` reads it; chains give it only to the
   elements that take it)."""
-  flag = {_ls.GRADS_FINITE: finite, _ls.GRADS_UNSCALED: True,  # unscaled by apply_or_skip
-          "value": loss}
-  if known_norm is not None:
-    flag[GLOBAL_NORM] = known_norm
+  # Unscaled already, by apply_or_skip.
+  flag = skip_lib.Verdict(finite=finite, unscaled=True, norm=known_norm).extra_args()
+  flag["value"] = loss
   if plan.master_weights:
     master, inner = state.opt_state
     updates, inner = plan.optimizer.update(grads, inner, master, **flag)
@@ -145,22 +142,7 @@ def float16_leaves(params: Any) -> list[Any]:
 def _params_finite(params: Any) -> jax.Array | None:
   """Whether every float16 parameter is finite; None if none is stored in float16."""
   half = float16_leaves(params)
-  return _ls.all_finite(half) if half else None
-
-
-def _skip_on_param_overflow(params_finite: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` optimizer state where ``params_finite``, else ``old`` with the step counted
-  as skipped in its loss-scale state (the scale itself is kept: it did not cause this)."""
-
-  def pick(n: Any, o: Any) -> Any:
-    if isinstance(n, _ls.LossScaleState):
-      skipped = o._replace(growth_count=jnp.zeros_like(o.growth_count),
-                           finite=jnp.asarray(False),
-                           overflow_steps=o.overflow_steps + 1)
-      return _ls._select_tree(params_finite, n, skipped)
-    return _ls._select_tree(params_finite, n, o)
-
-  return jax.tree.map(pick, new, old, is_leaf=lambda x: isinstance(x, _ls.LossScaleState))
+  return skip_lib.all_finite(half) if half else None
 
 
 def _held(grad: Any, opt_grad: Any, found: NarrowCotangents | None
