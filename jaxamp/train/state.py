@@ -14,7 +14,16 @@ from jaxamp.rules import path_name
 __all__ = ["TrainState", "MasterWeightsState", "abstract_state"]
 
 
-class TrainState(NamedTuple):
+class _TrainStateFields(NamedTuple):
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  model_state: Any
+  rng: jax.Array | None
+  scaled: Any = None
+
+
+class TrainState(_TrainStateFields):
   """Everything a training run carries from step to step.
 
   Attributes:
@@ -34,17 +43,34 @@ class TrainState(NamedTuple):
       (skipped ones excluded), so the key itself never changes and a model that draws
       none costs no key work. None for NNX models (they carry their RNG streams in
       ``model_state``) and Equinox models (they take keys as arguments).
-    fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
-      scales), updated by the step's forward and backward passes, never by the
-      optimizer, and kept as is on a skipped step; None without FP8 modules.
+    scaled: under a policy with a scaled format (FP8), ``{module path: that module's
+      state}`` (:class:`jaxamp.fp8.Fp8Meta`: amax histories and scales), updated by the
+      step's forward and backward passes, never by the optimizer, and kept on a skipped
+      step (:mod:`jaxamp.scaled`); None without such modules. ``fp8`` reads it too (the
+      name of earlier releases; ``TrainState(..., fp8=)`` and ``_replace(fp8=)`` take it).
   """
 
-  params: Any
-  opt_state: Any
-  step: jax.Array
-  model_state: Any
-  rng: jax.Array | None
-  fp8: Any = None
+  __slots__ = ()
+
+  def __new__(cls, params: Any, opt_state: Any, step: jax.Array, model_state: Any,
+              rng: jax.Array | None, scaled: Any = None, *, fp8: Any = None):
+    if fp8 is not None:
+      if scaled is not None:
+        raise TypeError("TrainState takes scaled= or fp8= (its older name), not both.")
+      scaled = fp8
+    return super().__new__(cls, params, opt_state, step, model_state, rng, scaled)
+
+  @property
+  def fp8(self) -> Any:
+    """The scaled formats' state: :attr:`scaled`, by the name of earlier releases."""
+    return self.scaled
+
+  def _replace(self, **changes: Any) -> TrainState:
+    if "fp8" in changes:
+      if "scaled" in changes:
+        raise TypeError("_replace takes scaled= or fp8= (its older name), not both.")
+      changes["scaled"] = changes.pop("fp8")
+    return super()._replace(**changes)
 
 
 class MasterWeightsState(NamedTuple):
@@ -106,7 +132,7 @@ def mismatch(state: Any, expected: Any) -> str | None:
     return f"it is a {type(state).__name__}, not a jaxamp.TrainState"
   fields = {"params": "another model", "opt_state": "another optimizer or loss scale",
             "model_state": "another model", "step": None, "rng": None,
-            "fp8": "another model or FP8 policy"}
+            "scaled": "another model or FP8 policy"}
   for field, cause in fields.items():
     got, want = getattr(state, field), getattr(expected, field)
     if jax.tree.structure(got) != jax.tree.structure(want):
