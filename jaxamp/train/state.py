@@ -20,7 +20,7 @@ class _TrainStateFields(NamedTuple):
   step: jax.Array
   model_state: Any
   rng: jax.Array | None
-  scaled: Any = None
+  fp8: Any = None  # the stored name: orbax checkpoints key the state by it
 
 
 class TrainState(_TrainStateFields):
@@ -43,33 +43,34 @@ class TrainState(_TrainStateFields):
       (skipped ones excluded), so the key itself never changes and a model that draws
       none costs no key work. None for NNX models (they carry their RNG streams in
       ``model_state``) and Equinox models (they take keys as arguments).
-    scaled: under a policy with a scaled format (FP8), ``{module path: that module's
-      state}`` (:class:`jaxamp.fp8.Fp8Meta`: amax histories and scales), updated by the
+    fp8: the scaled formats' state (:mod:`jaxamp.scaled`), also read as :attr:`scaled`:
+      under a policy with a scaled format (FP8), ``{module path: that module's state}``
+      (:class:`jaxamp.fp8.Fp8Meta` for FP8: amax histories and scales), updated by the
       step's forward and backward passes, never by the optimizer, and kept on a skipped
-      step (:mod:`jaxamp.scaled`); None without such modules. ``fp8`` reads it too (the
-      name of earlier releases; ``TrainState(..., fp8=)`` and ``_replace(fp8=)`` take it).
+      step; None without such modules. Stored under the name ``fp8``, which checkpoints
+      key it by; ``TrainState(..., scaled=)`` and ``_replace(scaled=)`` take either name.
   """
 
   __slots__ = ()
 
   def __new__(cls, params: Any, opt_state: Any, step: jax.Array, model_state: Any,
-              rng: jax.Array | None, scaled: Any = None, *, fp8: Any = None):
-    if fp8 is not None:
-      if scaled is not None:
-        raise TypeError("TrainState takes scaled= or fp8= (its older name), not both.")
-      scaled = fp8
-    return super().__new__(cls, params, opt_state, step, model_state, rng, scaled)
+              rng: jax.Array | None, fp8: Any = None, *, scaled: Any = None):
+    if scaled is not None:
+      if fp8 is not None:
+        raise TypeError("TrainState takes scaled= or fp8= (the same field), not both.")
+      fp8 = scaled
+    return super().__new__(cls, params, opt_state, step, model_state, rng, fp8)
 
   @property
-  def fp8(self) -> Any:
-    """The scaled formats' state: :attr:`scaled`, by the name of earlier releases."""
-    return self.scaled
+  def scaled(self) -> Any:
+    """The scaled formats' state, ``{module path: state}`` or None (the ``fp8`` field)."""
+    return self.fp8
 
   def _replace(self, **changes: Any) -> TrainState:
-    if "fp8" in changes:
-      if "scaled" in changes:
-        raise TypeError("_replace takes scaled= or fp8= (its older name), not both.")
-      changes["scaled"] = changes.pop("fp8")
+    if "scaled" in changes:
+      if "fp8" in changes:
+        raise TypeError("_replace takes scaled= or fp8= (the same field), not both.")
+      changes["fp8"] = changes.pop("scaled")
     return super()._replace(**changes)
 
 
@@ -132,7 +133,7 @@ def mismatch(state: Any, expected: Any) -> str | None:
     return f"it is a {type(state).__name__}, not a jaxamp.TrainState"
   fields = {"params": "another model", "opt_state": "another optimizer or loss scale",
             "model_state": "another model", "step": None, "rng": None,
-            "scaled": "another model or FP8 policy"}
+            "fp8": "another model or FP8 policy"}
   for field, cause in fields.items():
     got, want = getattr(state, field), getattr(expected, field)
     if jax.tree.structure(got) != jax.tree.structure(want):
