@@ -57,6 +57,7 @@ __all__ = [
     "DelayedScaling",
     "Fp8Meta",
     "Fp8Recipe",
+    "PerTensorFp8",
     "init_meta",
     "scaled_dot_general",
     "update_scales",

@@ -278,6 +278,8 @@ def _fp8_name(policy: Policy) -> str:
     for name, kind in _FP8_NAMES.items():
       if kind == token:
         return name
+    if scaled.policy_name(recipe) is not None:
+      return scaled.policy_name(recipe)
   return (f"params={base[0].name},compute={base[1].name},output={base[2].name},"
           f"fp8={token}")
 
@@ -311,6 +313,8 @@ def _parse_string(spec: str) -> Policy:
   s = spec.strip()
   if s in _FP8_NAMES:
     return Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, _FP8_NAMES[s])
+  if scaled.policy_recipe(s) is not None:  # a scaled format's policy name
+    return Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, scaled.policy_recipe(s))
   if s.startswith("mixed_"):
     half = s[len("mixed_"):]
     if half in ("float16", "bfloat16"):

@@ -3,12 +3,14 @@
 A scaled format runs a layer's matmul on operands it quantizes with scales of its own
 (FP8 with one scale per tensor, :mod:`jaxamp.fp8`, is the one jaxamp ships), and may keep
 state per module between steps (delayed scaling's amax history). Its configuration is a
-*recipe*, a plain frozen value a :class:`jaxamp.Policy` holds (``Policy(..., fp8=recipe)``);
-its behaviour is a :class:`ScaledFormat`, registered for the recipe's type with
-:func:`register`. The train step knows formats only through this module:
+*recipe*, a frozen, hashable value a :class:`jaxamp.Policy` holds (``Policy(...,
+fp8=recipe)``: a policy is a static argument of ``jax.jit``); its behaviour is a
+:class:`ScaledFormat`, registered for the recipe's type with :func:`register`. The train
+step knows formats only through this module:
 
 - ``init``: each module the format runs gets ``fmt.init_state(recipe)`` in
-  ``TrainState.scaled`` (``{module path: state}``), out of the optimizer's reach;
+  ``TrainState.fp8`` (``{module path: state}``, also read as ``TrainState.scaled``), out
+  of the optimizer's reach;
 - the forward pass: the layer's matmul is ``fmt.dot_general(..., state=, recipe=)``, with
   the module's state read from :func:`state_scope`;
 - after the backward pass: the state's gradient (what the format's ``custom_vjp`` hands
@@ -16,9 +18,11 @@ its behaviour is a :class:`ScaledFormat`, registered for the recipe's type with
   into the new state (``fmt.update``), after every micro-batch (:func:`merge_state`);
 - a skipped step keeps ``fmt.kept_on_skip(old, new)`` (the old state by default).
 
-Example: a toy format that rounds both operands to a grid of ``1 / scale`` and counts its
-matmuls (``tests/test_scaled.py`` trains a model with one):
+A toy format rounding both operands to a grid of ``1 / scale`` and counting its matmuls
+(``tests/test_scaled.py`` trains a model with one, its state updated through a
+``custom_vjp``):
 
+Example:
   >>> import dataclasses, jax, jax.numpy as jnp
   >>> from jaxamp import scaled
   >>> @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,8 @@ __all__ = [
     "is_recipe",
     "kept_on_skip",
     "merge_state",
+    "policy_name",
+    "policy_recipe",
     "recipe_named",
     "register",
     "state_scope",
@@ -126,22 +132,37 @@ class ScaledFormat(abc.ABC):
 
 _FORMATS: dict[type, ScaledFormat] = {}
 _NAMES: dict[str, Callable[[], Any]] = {}
+_POLICIES: dict[str, Callable[[], Any]] = {}
 
 
 def register(recipe_type: type, fmt: ScaledFormat,
-             names: Mapping[str, Callable[[], Any]] | None = None) -> None:
+             names: Mapping[str, Callable[[], Any]] | None = None,
+             policies: Mapping[str, Callable[[], Any]] | None = None) -> None:
   """Makes ``fmt`` run the recipes of ``recipe_type`` (and its subclasses): a policy then
-  takes them (``Policy(..., fp8=recipe)``). ``names``: short names policy strings take
-  (``'p=f32,c=bf16,fp8=<name>'``), each with a function making its recipe."""
+  takes them (``Policy(..., fp8=recipe)``).
+
+  Args:
+    recipe_type: the recipes' class.
+    fmt: the format running them.
+    names: short names policy strings take (``'p=f32,c=bf16,fp8=<name>'``), each with a
+      function making its recipe.
+    policies: policy names ``get_policy`` takes (``'mixed_fp8_rowwise'``), each with a
+      function making its recipe: float32 params, bfloat16 compute and output, as
+      ``'mixed_fp8'``.
+  """
   if not isinstance(fmt, ScaledFormat):
     raise TypeError(f"register takes a jaxamp.scaled.ScaledFormat, got {fmt!r}.")
   _FORMATS[recipe_type] = fmt
   _NAMES.update(names or {})
+  _POLICIES.update(policies or {})
 
 
 def unregister(recipe_type: type) -> None:
-  """Forgets ``recipe_type``'s format (and nothing else)."""
+  """Forgets ``recipe_type``'s format and the names that make its recipes."""
   _FORMATS.pop(recipe_type, None)
+  for table in (_NAMES, _POLICIES):
+    for name in [n for n, make in table.items() if make is recipe_type]:
+      del table[name]
 
 
 def _lookup(recipe: Any) -> ScaledFormat | None:
@@ -170,6 +191,17 @@ def recipe_named(name: str) -> Any:
   """The recipe a registered short name makes, or None."""
   make = _NAMES.get(name)
   return None if make is None else make()
+
+
+def policy_recipe(name: str) -> Any:
+  """The recipe a registered policy name makes, or None."""
+  make = _POLICIES.get(name)
+  return None if make is None else make()
+
+
+def policy_name(recipe: Any) -> str | None:
+  """The registered policy name whose recipe equals ``recipe``, or None."""
+  return next((name for name, make in _POLICIES.items() if make() == recipe), None)
 
 
 # --- the state a train step threads through the model ------------------------------------

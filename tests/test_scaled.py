@@ -92,7 +92,7 @@ class GridCountingSkips(Grid):
 
 @pytest.fixture(autouse=True)
 def _registered():
-  scaled.register(Grid, GridFormat(), names={"grid": Grid})
+  scaled.register(Grid, GridFormat(), names={"grid": Grid}, policies={"mixed_grid": Grid})
   scaled.register(GridCountingSkips, CountingSkips())
   with warnings.catch_warnings():
     # The policy asks for FP8-like matmuls on CPU: known, warned once per process.
@@ -100,7 +100,6 @@ def _registered():
     yield
   scaled.unregister(Grid)
   scaled.unregister(GridCountingSkips)
-  scaled._NAMES.pop("grid", None)  # pylint: disable=protected-access
 
 
 LR = 0.25
@@ -136,9 +135,16 @@ def test_a_registered_format_is_a_policy_recipe():
   p = jaxamp.Policy(jnp.float32, jnp.bfloat16, fp8=Grid())
   assert p.fp8 == Grid() and scaled.format_of(p.fp8).name == "grid"
   assert jaxamp.get_policy("p=f32,c=bf16,fp8=grid").fp8 == Grid()
+  named = jaxamp.get_policy("mixed_grid")
+  assert named == jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, Grid())
+  assert named.name == "mixed_grid"
+  assert jaxamp.Policy(jnp.float32, jnp.float32, fp8=Grid(3.0)).name == (
+      "params=float32,compute=float32,output=float32,fp8=Grid(scale=3.0)")
   scaled.unregister(Grid)
   with pytest.raises(ValueError, match="Grid"):
     jaxamp.Policy(jnp.float32, jnp.bfloat16, fp8=Grid())
+  with pytest.raises(ValueError, match="mixed_grid"):
+    jaxamp.get_policy("mixed_grid")
 
 
 def test_a_toy_format_trains_through_the_step_with_its_state_updated():

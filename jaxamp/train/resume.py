@@ -118,14 +118,16 @@ def _scaled_fitted(fresh: Fresh, scaled: Any, stacklevel: int) -> Any:
   if scaled is None:
     warnings.warn(
         f"jaxamp: this state has no scaled-format state (it was made under a policy "
-        f"without FP8 matmuls), but this step's policy {fresh.policy!r} runs them with "
-        "state (delayed scaling's amax histories and scales): it starts fresh, as in a "
-        "new run.", RuntimeWarning, stacklevel=stacklevel)
+        f"without FP8 matmuls or another scaled format), but this step's policy "
+        f"{fresh.policy!r} keeps state for its scaled matmuls (FP8 delayed scaling: amax "
+        "histories and scales): it starts fresh, as in a new run.", RuntimeWarning,
+        stacklevel=stacklevel)
     return _placed(fresh.scaled, fresh.scaled_shardings)
   warnings.warn(
-      f"jaxamp: this state holds scaled-format state (FP8 amax histories and scales: it "
-      f"was made under an FP8 policy), which this step's policy {fresh.policy!r} does not "
-      "use: it is dropped.", RuntimeWarning, stacklevel=stacklevel)
+      f"jaxamp: this state holds scaled-format state (FP8 amax histories and scales, made "
+      f"under an FP8 policy, or another scaled format's), which this step's policy "
+      f"{fresh.policy!r} does not use: it is dropped.", RuntimeWarning,
+      stacklevel=stacklevel)
   return None
 
 

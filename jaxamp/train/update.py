@@ -4,7 +4,8 @@ One reduction of the gradients gives their global norm and the verdict (every el
 finite, and the norm within float32's range). A ``lax.cond`` then runs the optimizer
 only on a finite step; on a skipped one only the loss scale moves (it backs off) and
 the parameters, every optimizer-state leaf and the model state stay bit-identical, and
-the scaled formats' state is what each format keeps on a skip (FP8: its old state). With master weights the optimizer updates float32 copies and the stored
+the scaled formats' state is what each format keeps on a skip (FP8: its old state, bit
+for bit). With master weights the optimizer updates float32 copies and the stored
 params are their casts. A float16 parameter an update would make inf skips the step too.
 """
 
