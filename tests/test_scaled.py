@@ -194,3 +194,48 @@ def test_a_skipped_step_keeps_what_the_format_says(recipe, kept_calls):
   assert not bool(metrics["grads_finite"])
   np.testing.assert_array_equal(np.asarray(state.params["kernel"]), params)
   assert float(state.scaled[""].calls) == kept_calls
+
+
+_MESH_SCRIPT = """
+import sys, warnings
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+warnings.simplefilter('ignore')
+import jax, jax.numpy as jnp, numpy as np
+import jaxamp
+from jaxamp import scaled
+import test_scaled as t
+assert jax.device_count() == 4, jax.devices()
+scaled.register(t.Grid, t.GridFormat())
+xs = [np.concatenate([x, x * 0.5, x * 0.25, x * 2.0]) for x in t._batches(2)]  # 20 rows
+c = np.tile(np.random.RandomState(1).randn(5, 3).astype(np.float32), (4, 1))
+out = {{}}
+for name, kw in [('one', {{}}), ('mesh', dict(mesh=jax.make_mesh((4,), ('data',))))]:
+  from flax import nnx
+  import optax
+  model = nnx.Linear(4, 3, use_bias=False, rngs=nnx.Rngs(0))
+  train = jaxamp.make_train_step(
+      lambda m, b: jnp.sum(m(b['x']) * b['c']) / b['x'].shape[0], optax.sgd(t.LR),
+      policy=jaxamp.Policy(jnp.float32, jnp.float32, fp8=t.Grid()), **kw)
+  state = train.init(model)
+  for x in xs:
+    state, _ = train.step(state, {{'x': jnp.asarray(x), 'c': jnp.asarray(c)}})
+  out[name] = (np.asarray(state.params['kernel']), float(state.scaled[''].calls),
+               float(state.scaled[''].amax))
+# Each device saw a quarter of the batch: its calls (1 per step) and amax are maxed over
+# the devices (the protocol's default reduce), so the state is one device's.
+assert out['mesh'][1:] == out['one'][1:] == (2.0, max(float(np.abs(x).max()) for x in xs)), out
+np.testing.assert_allclose(out['mesh'][0], out['one'][0], rtol=1e-6)
+print('MESH-OK')
+"""
+
+
+def test_a_toy_format_on_a_mesh_reduces_its_state_across_devices(tmp_path):
+  import os
+  from train_helpers import ROOT, run_script
+
+  script = _MESH_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+  out = run_script(script, tmp_path, "mesh.py",
+                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                                 + os.environ.get("XLA_FLAGS", ""),
+                    "JAX_PLATFORMS": "cpu"})
+  assert "MESH-OK" in out
