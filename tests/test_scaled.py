@@ -239,3 +239,24 @@ def test_a_toy_format_on_a_mesh_reduces_its_state_across_devices(tmp_path):
                                  + os.environ.get("XLA_FLAGS", ""),
                     "JAX_PLATFORMS": "cpu"})
   assert "MESH-OK" in out
+
+
+def test_a_toy_format_trains_a_linen_dense_too():
+  import flax.linen as nn
+
+  dense = nn.Dense(3, use_bias=False)
+  x = _batches(1)[0]
+  variables = dense.init(jax.random.key(0), jnp.asarray(x))
+  kernel = np.asarray(variables["params"]["kernel"])
+  c = np.random.RandomState(1).randn(5, 3).astype(np.float32)
+  train = jaxamp.make_train_step(
+      lambda m, b: jnp.sum(m(b["x"]) * c), optax.sgd(LR),
+      policy=jaxamp.Policy(jnp.float32, jnp.float32, fp8=Grid()))
+  state = train.init(dense, variables, jnp.asarray(x))
+  assert set(state.scaled) == {""}  # the model itself is the Dense
+  state, metrics = train.step(state, {"x": jnp.asarray(x)})
+  want_losses, want_kernel = _hand(kernel, c, [x])
+  np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.params["kernel"]), want_kernel, rtol=1e-6)
+  (seen,) = state.scaled.values()
+  assert float(seen.calls) == 1.0 and float(seen.amax) == float(np.abs(x).max())
