@@ -229,6 +229,7 @@ print('MESH-OK')
 """
 
 
+@pytest.mark.slow  # a subprocess with 4 CPU devices, as tests/test_train_devices.py's
 def test_a_toy_format_on_a_mesh_reduces_its_state_across_devices(tmp_path):
   import os
   from train_helpers import ROOT, run_script
