@@ -16,7 +16,8 @@ Entry points:
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
-  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``
+  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; other scaled
+                 formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
 ``set_global_policy`` is read by the entry points above that take ``policy=None``, when
@@ -76,12 +77,13 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import fp8, linen, nnx
+from jaxamp import fp8, linen, nnx, scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
     "fp8",
+    "scaled",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",

@@ -37,18 +37,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once, dtypes
+from jaxamp import _warn_once, dtypes, scaled
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -59,6 +57,7 @@ __all__ = [
     "DelayedScaling",
     "Fp8Meta",
     "Fp8Recipe",
+    "PerTensorFp8",
     "init_meta",
     "scaled_dot_general",
     "update_scales",
@@ -245,58 +244,62 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   return out.astype(dtype)
 
 
-# --- the state a train step threads through the model ------------------------------------
+# --- the format: how the train step runs and updates it (jaxamp.scaled's protocol) ----
 
 
-class _Scope:
-  """One traced forward pass: the FP8 state it reads and, in a train step's forward
-  pass (``record``), which modules used it."""
+class PerTensorFp8(scaled.ScaledFormat):
+  """FP8 with one scale per tensor (:class:`DelayedScaling`, :class:`CurrentScaling`):
+  the :class:`jaxamp.scaled.ScaledFormat` the train step runs them through. Its state is
+  an :class:`Fp8Meta` per module."""
 
-  def __init__(self, state: Mapping[str, Fp8Meta], record: bool = False):
-    self.state = dict(state)
-    self.record = record
-    self.names: dict[int, str] = {}  # id(NNX module) -> path
-    self.used: set[str] = set()
+  name = "FP8"
+  census_dtypes = dtypes.FP8
 
+  def init_state(self, recipe: Fp8Recipe) -> Fp8Meta:
+    return init_meta(recipe)
 
-class _Local(threading.local):
-  def __init__(self):
-    super().__init__()
-    self.scopes: list[_Scope] = []
+  def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, *, state, recipe, **kwargs):
+    return scaled_dot_general(lhs, rhs, dimension_numbers, precision,
+                              preferred_element_type, meta=state, recipe=recipe, **kwargs)
 
+  def reduce(self, cotangent: Fp8Meta, recipe: Fp8Recipe, axes: Any) -> Fp8Meta:
+    # Transformer Engine's amax all-reduce: the newest amaxes maxed over the devices, so
+    # every device quantizes the next pass (micro-batch or step) with the same scales,
+    # those of the whole batch.
+    history = cotangent.amax_history
+    return cotangent._replace(amax_history=history.at[:, 0].set(
+        lax.pmax(history[:, 0], axes)))
 
-_local = _Local()
+  def update(self, state: Fp8Meta, cotangent: Fp8Meta, recipe: Fp8Recipe) -> Fp8Meta:
+    # The cotangent is the rolled history with this pass's amaxes in front, summed over
+    # the times the matmul ran: only its newest column is taken (the rest is the old
+    # history rolled). A body run n times (a module shared into an nnx.scan) then
+    # records the sum of its n amaxes, a bound on their max.
+    newest = cotangent.amax_history[:, 0]
+    history = jnp.roll(state.amax_history, 1, axis=1).at[:, 0].set(newest)
+    return update_scales(Fp8Meta(history, state.scale), recipe)
 
-
-@contextlib.contextmanager
-def state_scope(state: Mapping[str, Fp8Meta] | None, *,
-                record: bool = False) -> Iterator[_Scope | None]:
-  """Makes ``state`` (path -> :class:`Fp8Meta`) what FP8 modules read in this block.
-
-  ``record``: the block is a train step's forward pass, whose backward pass hands out
-  the new histories: each module's use is recorded (a module run twice is refused), and
-  a delayed-scaling layer without state (even with no state at all) warns that it falls
-  back to current scaling. Without it (eval) modules only read their scales, as often
-  as they run.
-  """
-  if not state and not record:
-    yield None
-    return
-  scope = _Scope(state or {}, record)
-  _local.scopes.append(scope)
-  try:
-    yield scope
-  finally:
-    _local.scopes.pop()
-
-
-def name_modules(named: Mapping[int, str]) -> None:
-  """Tells the running scope the path of each NNX module id (its state's key)."""
-  if _local.scopes:
-    _local.scopes[-1].names.update(named)
+  def stateless_warning(self, recipe: Fp8Recipe, what: str) -> str | None:
+    if not isinstance(recipe, DelayedScaling):
+      return None  # current scaling keeps no scale: it runs the same without state
+    return (f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a "
+            "layer inside a scan/vmap/remat transform, or one created during the call): it "
+            "runs with current scaling (each tensor scaled by its own amax). Keep it out of "
+            "FP8 with a jaxamp.set_policy rule to silence this.")
 
 
-# The attribute naming an NNX module's FP8 state key. A static attribute travels in the
+PER_TENSOR = PerTensorFp8()
+scaled.register(DelayedScaling, PER_TENSOR, names={"delayed": DelayedScaling})
+scaled.register(CurrentScaling, PER_TENSOR, names={"current": CurrentScaling})
+
+# The state scope lives in jaxamp.scaled; these names stay for code that used them here.
+state_scope = scaled.state_scope
+suspended = scaled.suspended
+dot_for = scaled.dot_for
+name_modules = scaled.name_modules
+
+# The attribute naming an NNX module's state key. A static attribute travels in the
 # graphdef, so the copies nnx.remat and nnx.scan make inside them keep it (their ids
 # are not the ones name_modules saw).
 _PATH_ATTR = "_jaxamp_fp8_path"
@@ -308,7 +311,7 @@ def name_nnx_modules(model: Any, path_name: Callable[[Any], str]) -> None:
   ``model`` must be the step's own copy (``nnx.merge``'s): its FP8 layers are labelled
   with their paths.
   """
-  if not _local.scopes:
+  if scaled.current() is None:
     return
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jaxamp._flax_compat import set_attr_unchecked  # pylint: disable=g-import-not-at-top
@@ -319,55 +322,7 @@ def name_nnx_modules(model: Any, path_name: Callable[[Any], str]) -> None:
       named[id(node)] = path_name(path)
       if isinstance(node, nnx_classes()):
         set_attr_unchecked(node, _PATH_ATTR, named[id(node)])
-  name_modules(named)
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-  """No FP8 state in this block: abstract passes (plans, censuses) traced inside a step
-  use current scaling and count no module as run."""
-  _local.scopes.append(_Scope({}))
-  try:
-    yield
-  finally:
-    _local.scopes.pop()
-
-
-def dot_for(path: str | None, recipe: Fp8Recipe, what: str) -> Callable[..., Any]:
-  """The FP8 ``dot_general`` of the module at ``path`` in the running scope.
-
-  Its state is read when the module's matmul runs, not before: a module whose matmul
-  does not run (an outer-product einsum) keeps its state, and one whose matmul runs
-  twice in a step is refused.
-  """
-  scope = _local.scopes[-1] if _local.scopes else None
-  meta = scope.state.get(path) if scope is not None and path is not None else None
-
-  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-          **kwargs):
-    # Warned when the matmul runs, not when the layer is set up: a lifted transform's
-    # wrapper (nn.remat's) gets a dot that only its clone, named by its own path, runs.
-    if scope is not None and scope.record and meta is None and isinstance(
-        recipe, DelayedScaling):
-      _warn_once.warn_once(
-          ("fp8.stateless", what),
-          f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a "
-          "layer inside a scan/vmap/remat transform, or one created during the call): it "
-          "runs with current scaling (each tensor scaled by its own amax). Keep it out of "
-          "FP8 with a jaxamp.set_policy rule to silence this.", RuntimeWarning,
-          stacklevel=2)
-    if meta is not None and scope.record:
-      if path in scope.used:
-        raise ValueError(
-            f"FP8 module {path!r} ran twice in one step; its state holds one history per "
-            "module, and the two backward passes would add their histories. Keep it out "
-            f"of FP8 with jaxamp.set_policy({path!r}, 'mixed_bfloat16').")
-      scope.used.add(path)
-    return scaled_dot_general(lhs, rhs, dimension_numbers, precision,
-                              preferred_element_type, meta=meta, recipe=recipe, **kwargs)
-
-  dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
-  return dot
+  scaled.name_modules(named)
 
 
 def scaled_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *, precision: Any = None,
@@ -419,29 +374,8 @@ def scaled_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *, precision:
 def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
                 used: set[str], recipes: Mapping[str, Fp8Recipe],
                 axes: Any = None) -> dict[str, Fp8Meta]:
-  """The state after a forward and backward pass: new histories of the modules that
-  ran, scales recomputed.
-
-  ``axes``: inside ``shard_map``, the mesh axes the batch is split over. Each device's
-  newest amaxes are maxed over them before the scales are recomputed (Transformer
-  Engine's amax all-reduce), so every device quantizes the next pass (the next
-  micro-batch, or the next step) with the same scales, those of the whole batch.
-  """
-  out = {}
-  for path, meta in old.items():
-    if path in used:
-      # The cotangent is the rolled history with this pass's amaxes in front, summed
-      # over the times the matmul ran: only its newest column is taken (the rest is the
-      # old history rolled). A body run n times (a module shared into an nnx.scan) then
-      # records the sum of its n amaxes, a bound on their max; one not run, zeros.
-      newest = cotangent[path].amax_history[:, 0]
-      if axes:
-        newest = lax.pmax(newest, axes)
-      history = jnp.roll(meta.amax_history, 1, axis=1).at[:, 0].set(newest)
-      out[path] = update_scales(Fp8Meta(history, meta.scale), recipes[path])
-    else:
-      out[path] = meta
-  return out
+  """:func:`jaxamp.scaled.merge_state`: the state after a forward and backward pass."""
+  return scaled.merge_state(old, cotangent, used, recipes, axes)
 
 
 # --- which modules run in FP8 -------------------------------------------------------------
@@ -527,11 +461,12 @@ def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
   """
   from jaxamp.census import FP8_DTYPES  # pylint: disable=g-import-not-at-top
 
+  counted = FP8_DTYPES | scaled.operand_dtypes()
   classes = classes or {}
   found: dict[str, tuple[str, int]] = {}
   for op in ops:
     if (op.module is None or op.kind != "dot_general" or op.batched
-        or op.lhs_dtype in FP8_DTYPES or op.rhs_dtype in FP8_DTYPES):
+        or op.lhs_dtype in counted or op.rhs_dtype in counted):
       continue
     path = modules[op.module]
     policy = policies.get(path)
@@ -612,7 +547,8 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
 
 def init_state(plan: Any) -> dict[str, Fp8Meta]:
   """The FP8 state for ``(path, class, policy)`` rows (``module_policies``' result)."""
-  return {path: init_meta(policy.fp8) for path, cls, policy in plan if runs_fp8(cls, policy)}
+  return {path: scaled.format_of(policy.fp8).init_state(policy.fp8)
+          for path, cls, policy in plan if runs_fp8(cls, policy)}
 
 
 def recipes_of(plan: Any) -> dict[str, Fp8Recipe]:
@@ -625,8 +561,9 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
   path = None
-  if _local.scopes:
-    path = vars(module).get(_PATH_ATTR, _local.scopes[-1].names.get(id(module)))
+  scope = scaled.current()
+  if scope is not None:
+    path = vars(module).get(_PATH_ATTR, scope.names.get(id(module)))
   what = f"{type(module).__name__} {path or '(unnamed)'}"
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -635,11 +572,11 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
     if attrs.get("einsum_op") is not jnp.einsum:
       return {}  # the user's own op: theirs to keep
     return {"einsum_op": functools.partial(scaled_einsum,
-                                           dot_general=dot_for(path, policy.fp8, what))}
+                                           dot_general=scaled.dot_for(path, policy.fp8, what))}
   if attrs.get("dot_general_cls") is not None or attrs.get("dot_general") not in (
       None, lax.dot_general):
     return {}  # the user's own dot: theirs to keep
-  return {"dot_general": dot_for(path, policy.fp8, what)}
+  return {"dot_general": scaled.dot_for(path, policy.fp8, what)}
 
 
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
@@ -655,5 +592,5 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
       module.dot_general is not None and not getattr(module.dot_general, "jaxamp_fp8", False)):
     return {}  # the user's own dot (a lifted clone inherits ours: it gets its own)
   name = "/".join(path)
-  return {"dot_general": dot_for(None if lifted else name, policy.fp8,
+  return {"dot_general": scaled.dot_for(None if lifted else name, policy.fp8,
                                   f"{type(module).__name__} {name}")}

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _warn_once, dtypes, recipes
+from jaxamp import _warn_once, dtypes, recipes, scaled
 from jaxamp.casting import cast_floating
 
 __all__ = [
@@ -166,7 +166,8 @@ class Policy:
     fp8: None, or an FP8 recipe (:class:`jaxamp.DelayedScaling`,
       :class:`jaxamp.CurrentScaling`, ``'delayed'``, ``'current'``): the matmuls of
       Linear/Dense layers then run in FP8 (:mod:`jaxamp.fp8`), the rest in
-      ``compute_dtype``.
+      ``compute_dtype``. It takes the recipe of any scaled format registered with
+      :func:`jaxamp.scaled.register` (the layers then run that format's matmul).
 
   Example:
     >>> import jax.numpy as jnp
@@ -277,6 +278,8 @@ def _fp8_name(policy: Policy) -> str:
     for name, kind in _FP8_NAMES.items():
       if kind == token:
         return name
+    if scaled.policy_name(recipe) is not None:
+      return scaled.policy_name(recipe)
   return (f"params={base[0].name},compute={base[1].name},output={base[2].name},"
           f"fp8={token}")
 
@@ -310,6 +313,8 @@ def _parse_string(spec: str) -> Policy:
   s = spec.strip()
   if s in _FP8_NAMES:
     return Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, _FP8_NAMES[s])
+  if scaled.policy_recipe(s) is not None:  # a scaled format's policy name
+    return Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, scaled.policy_recipe(s))
   if s.startswith("mixed_"):
     half = s[len("mixed_"):]
     if half in ("float16", "bfloat16"):
@@ -329,7 +334,8 @@ def _parse_string(spec: str) -> Policy:
       raise ValueError(f"Policy {spec!r} sets {_KEYS[key]} twice; give each of params (p), "
                        "compute (c), output (o) at most once.")
     if _KEYS[key] == "fp8":
-      if value.strip() not in ("delayed", "current"):
+      if value.strip() not in ("delayed", "current") and scaled.recipe_named(
+          value.strip()) is None:
         raise ValueError(f"Unknown FP8 recipe {value.strip()!r} in policy {spec!r}: fp8= "
                          "takes 'delayed' or 'current'.")
       found["fp8"] = value.strip()

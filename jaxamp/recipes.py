@@ -1,7 +1,8 @@
 """FP8 scaling recipes: what an FP8 policy's matmuls quantize with, as plain values.
 
 A recipe is a frozen dataclass a :class:`jaxamp.Policy` holds (``Policy(..., fp8=recipe)``)
-and :mod:`jaxamp.fp8` runs. It lives below the policy layer so that parsing a policy
+and :mod:`jaxamp.fp8` runs (the :class:`jaxamp.scaled.ScaledFormat` registered for these
+types); a policy takes the recipes of any registered format. It lives below the policy layer so that parsing a policy
 never imports the module layer.
 
 - :class:`DelayedScaling`: scales from an amax history of earlier steps (Transformer
@@ -20,6 +21,8 @@ import dataclasses
 from typing import Any, Union
 
 import jax.numpy as jnp
+
+from jaxamp import scaled
 
 __all__ = ["E4M3", "E5M2", "CurrentScaling", "DelayedScaling", "Fp8Recipe", "check_recipe"]
 
@@ -91,13 +94,17 @@ class CurrentScaling:
 Fp8Recipe = Union[DelayedScaling, CurrentScaling]
 
 
-def check_recipe(recipe: Any) -> Fp8Recipe:
-  """``recipe`` if it is one, else a ValueError naming the valid ones."""
+def check_recipe(recipe: Any) -> Any:
+  """``recipe`` if it is one (of FP8, or of a format registered with
+  :func:`jaxamp.scaled.register`), the recipe a short name makes, else a ValueError
+  naming the valid ones."""
   if recipe == "delayed":
     return DelayedScaling()
   if recipe == "current":
     return CurrentScaling()
-  if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+  if isinstance(recipe, str) and scaled.recipe_named(recipe) is not None:
+    return scaled.recipe_named(recipe)
+  if not isinstance(recipe, (DelayedScaling, CurrentScaling)) and not scaled.is_recipe(recipe):
     raise ValueError(f"fp8 must be jaxamp.DelayedScaling(...), jaxamp.CurrentScaling(...), "
                      f"'delayed' or 'current' (or None for no FP8), got {recipe!r}.")
   return recipe

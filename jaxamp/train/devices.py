@@ -14,7 +14,8 @@ rows (a float16 one overflows no sooner; FP8 gradient amaxes are one device's);
 
 and in both averages the loss, combines ``loss_fn``'s aux and combines each model-state
 leaf by its reduction (BatchNorm statistics averaged, others as declared); the gradient
-stage takes the FP8 amaxes' maximum over the devices after every micro-batch. Every
+stage reduces the scaled formats' state over the devices after every micro-batch (FP8:
+the amaxes' maximum). Every
 device leaves with the same values. Without a mesh it is the gradient stage itself.
 """
 
@@ -29,7 +30,7 @@ from jaxamp import gather
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import at_least_float32, widen_floating
 from jaxamp.train import layout
-from jaxamp.train.gradients import loss_and_grads
+from jaxamp.train.gradients import Grads, loss_and_grads
 from jaxamp.train.loss import combine_aux
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
@@ -40,49 +41,49 @@ P = jax.sharding.PartitionSpec
 
 
 def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array
-          ) -> tuple[Any, jax.Array, Any, Any, Any]:
-  """``loss_and_grads`` over the whole (global) batch: ``(grads, loss, aux,
-  model_state, fp8)``, gradients in the params' layout."""
+          ) -> Grads:
+  """``loss_and_grads`` over the whole (global) batch, gradients in the params'
+  layout."""
   if plan.mesh is None:
     return loss_and_grads(plan, state.params, state.model_state, batch, rng, scale,
-                          state.fp8)
+                          state.scaled)
   if plan.sharded:
     return _sharded_grads(plan, state, batch, scale, rng)
   return _data_parallel_grads(plan, state, batch, scale, rng)
 
 
 def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
-                         rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
+                         rng: jax.Array) -> Grads:
   axes = plan.options.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
 
-  def local(params, model_state, batch, rng, scale, fp8):
+  def local(params, model_state, batch, rng, scale, scaled):
     rng, keys = _per_device_keys(rng, model_state, axes)
-    # The FP8 amaxes are maxed over the devices inside, after every micro-batch.
+    # The scaled state is reduced over the devices inside, after every micro-batch.
     changed: set[int] = set()
-    grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, params, keys, batch, rng, scale / n, fp8, fp8_axes=axes, changed=changed)
+    grads, loss, aux, new_state, new_scaled = loss_and_grads(
+        plan, params, keys, batch, rng, scale / n, scaled, axes=axes, changed=changed)
     reduced = lambda g: plan.options.reduce_dtype(g.dtype)
     grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduced(g)), axes).astype(g.dtype),
                          grads)
-    return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
-                            model_state, changed), new_fp8)
+    return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
+                                 model_state, changed), new_scaled)
 
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(P(), P(), P(axes), P(), P(), P()),
                           out_specs=P(), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
-                 scale, state.fp8)
+                 scale, state.scaled)
 
 
 def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
-                   rng: jax.Array) -> tuple[Any, jax.Array, Any, Any, Any]:
+                   rng: jax.Array) -> Grads:
   axes = plan.options.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
   out_dtypes = [at_least_float32(p.dtype) if plan.master_weights else p.dtype
                 for p in jax.tree.leaves(state.params)]
 
-  def local(params, model_state, batch, rng, scale, fp8):
+  def local(params, model_state, batch, rng, scale, scaled):
     rng, keys = _per_device_keys(rng, model_state, axes)
     if plan.layer_gather:
       # The slices go in; each read gathers its parameter and each gradient leaves its
@@ -92,22 +93,22 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
     else:
       inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
     changed: set[int] = set()
-    grads, loss, aux, new_state, new_fp8 = loss_and_grads(
-        plan, inputs, keys, batch, rng, scale / n, fp8, keep_float32=True, fp8_axes=axes,
+    grads, loss, aux, new_state, new_scaled = loss_and_grads(
+        plan, inputs, keys, batch, rng, scale / n, scaled, keep_float32=True, axes=axes,
         changed=changed)
     if plan.layer_gather:
       grads = _reduce_replicated(plan, grads, out_dtypes)
     else:
       grads = gather.reduce_all(plan.shards, grads, out_dtypes)
-    return (grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
-                            model_state, changed), new_fp8)
+    return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
+                                 model_state, changed), new_scaled)
 
   specs = plan.param_specs
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(specs, P(), P(axes), P(), P(), P()),
-                          out_specs=(specs, P(), P(), P(), P()), check_vma=False)
+                          out_specs=Grads(specs, P(), P(), P(), P()), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
-                 scale, state.fp8)
+                 scale, state.scaled)
 
 
 def _reduce_replicated(plan: Plan, grads: Any, dtypes: list[Any]) -> Any:

@@ -10,39 +10,59 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxamp import fp8 as fp8_lib
 from jaxamp import gather as gather_lib
+from jaxamp import scaled as scaled_lib
 from jaxamp.casting import at_least_float32
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
                                save_half_and_statistics)
-from jaxamp.rules import asks_for_fp8, leaf_name
+from jaxamp.rules import asks_for_fp8 as asks_for_scaled
+from jaxamp.rules import leaf_name
 from jaxamp.train.loss import call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
 
-__all__ = ["loss_and_grads"]
+__all__ = ["Grads", "loss_and_grads"]
 
 
-def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
+class Grads(NamedTuple):
+  """What the gradient stage (and the devices stage around it) returns.
+
+  Attributes:
+    grads: the gradients of the loss times the loss scale.
+    loss: the (unscaled, float32) loss, averaged over micro-batches.
+    aux: ``loss_fn``'s aux, combined over micro-batches.
+    model_state: the model state after the step's forward passes.
+    scaled: the scaled formats' state after them (:mod:`jaxamp.scaled`), or None.
+  """
+
+  grads: Any
+  loss: jax.Array
+  aux: Any
+  model_state: Any
+  scaled: Any
+
+
+def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
              changed: set[int] | None = None) -> Callable[..., Any]:
-  """``(params, fp8, model_state, batch, key) -> (grads, new fp8, (loss, aux, new model
-  state))``: the gradients of the loss times ``weight``, and the FP8 state moved by the
-  forward pass's amaxes and (through its histories' cotangent) the backward pass's,
-  maxed over the mesh axes ``fp8_axes`` (inside ``shard_map``) if any. The positions of
-  the model-state leaves a call changed are added to ``changed``, if given."""
+  """``(params, scaled, model_state, batch, key) -> (grads, new scaled, (loss, aux, new
+  model state))``: the gradients of the loss times ``weight``, and the scaled formats'
+  state updated from its cotangent (:func:`jaxamp.scaled.merge_state`: what the forward
+  and backward passes observed, reduced over the mesh ``axes`` inside ``shard_map``, if
+  any). The positions of the model-state leaves a call changed are added to
+  ``changed``, if given."""
   options = plan.options
-  used: set[str] = set()  # FP8 modules that ran, known once traced
+  used: set[str] = set()  # modules of a scaled format that ran, known once traced
 
-  def scaled_loss(p, f8, ms, mb, key):
-    # A scope even with no FP8 state, if some layer runs FP8: those that fall back to
-    # current scaling (all inside scans, say) warn.
-    record = bool(f8) or asks_for_fp8(options.policy)
-    with fp8_lib.state_scope(f8, record=record) as scope, \
+  def scaled_loss(p, sc, ms, mb, key):
+    # A scope even with no state, if some layer runs a scaled format: those that run
+    # without state (all inside scans, say) warn.
+    record = bool(sc) or asks_for_scaled(options.policy)
+    with scaled_lib.state_scope(sc, record=record) as scope, \
         gather_lib.prefetching(plan.prefetch):
       model, new_state = plan.adapter.bind(
           p, ms, key, options.policy, train=True, float32_outputs=options.float32_outputs,
@@ -62,16 +82,16 @@ def _grad_fn(plan: Plan, weight: jax.Array, fp8_axes: Any,
     loss = half_residuals(loss)
   raw_grad_fn = jax.grad(loss, argnums=(0, 1), has_aux=True)
 
-  def grad_fn(p, f8, ms, mb, key):
-    (g, f8_cot), out = raw_grad_fn(p, f8, ms, mb, key)
+  def grad_fn(p, sc, ms, mb, key):
+    (g, sc_cot), out = raw_grad_fn(p, sc, ms, mb, key)
     _check_same_structure(ms, out[2])
     if changed is not None:  # unchanged leaves come back as the very tracers passed in
       changed.update(i for i, (new, old) in enumerate(zip(jax.tree.leaves(out[2]),
                                                           jax.tree.leaves(ms)))
                      if new is not old)
-    if f8:
-      f8 = fp8_lib.merge_state(f8, f8_cot, used, plan.fp8_recipes, fp8_axes)
-    return g, f8, out
+    if sc:
+      sc = scaled_lib.merge_state(sc, sc_cot, used, plan.scaled_recipes, axes)
+    return g, sc, out
 
   return grad_fn
 
@@ -107,39 +127,39 @@ def _check_same_structure(before: Any, after: Any) -> None:
 
 
 def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: jax.Array,
-                   scale: jax.Array, fp8: Any = None, keep_float32: bool = False,
-                   fp8_axes: Any = None, changed: set[int] | None = None
-                   ) -> tuple[Any, jax.Array, Any, Any, Any]:
+                   scale: jax.Array, scaled: Any = None, keep_float32: bool = False,
+                   axes: Any = None, changed: set[int] | None = None) -> Grads:
   """Scaled-loss gradients over micro-batches, accumulated in at least float32
-  (complex64 for complex parameters; kept so with ``keep_float32``), and the new FP8
-  state.
+  (complex64 for complex parameters; kept so with ``keep_float32``), and the new state
+  of the scaled formats (``scaled``: ``TrainState.scaled``).
 
-  ``fp8_axes``: inside ``shard_map``, the batch axes: the FP8 amaxes are maxed over them
-  after every micro-batch, so each device scales the next micro-batch as one device
-  holding the whole batch would. ``changed``: a set the positions (in
+  ``axes``: inside ``shard_map``, the batch axes: the scaled formats' observations (FP8
+  amaxes, maxed) are reduced over them after every micro-batch, so each device scales
+  the next micro-batch as one device holding the whole batch would. ``changed``: a set the positions (in
   ``jax.tree.leaves(model_state)``) of the state leaves the model updated are added to.
 
   Returns:
-    ``(grads, loss, aux, model_state, fp8)``: the gradients of the loss times
-    ``scale``, the (unscaled, float32) loss, ``loss_fn``'s aux combined over
-    micro-batches, and the model state and FP8 state after the step's forward passes.
+    :class:`Grads`: the gradients of the loss times ``scale``, the (unscaled, float32)
+    loss, ``loss_fn``'s aux combined over micro-batches, and the model state and the
+    scaled formats' state after the step's forward passes.
   """
   k = plan.options.grad_accum_steps
   # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
   # k before scaling), so its float16 backward pass carries the values of the k=1 step's
   # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
-  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, fp8_axes, changed)
+  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, axes, changed)
   if k == 1:
-    grads, fp8, (loss, aux, model_state) = grad_fn(params, fp8, model_state, batch, rng)
-    return grads, loss, aux, model_state, fp8
-  return _accumulated(plan, grad_fn, params, model_state, batch, rng, fp8, keep_float32)
+    grads, scaled, (loss, aux, model_state) = grad_fn(params, scaled, model_state, batch,
+                                                      rng)
+    return Grads(grads, loss, aux, model_state, scaled)
+  return _accumulated(plan, grad_fn, params, model_state, batch, rng, scaled, keep_float32)
 
 
 def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_state: Any,
-                 batch: Any, rng: jax.Array, fp8: Any, keep_float32: bool
-                 ) -> tuple[Any, jax.Array, Any, Any, Any]:
+                 batch: Any, rng: jax.Array, scaled: Any, keep_float32: bool) -> Grads:
   """``grad_fn`` over the batch's ``grad_accum_steps`` micro-batches in a ``lax.scan``,
-  the gradients summed in at least float32, the model and FP8 state threaded through."""
+  the gradients summed in at least float32, the model and scaled state threaded
+  through."""
   k = plan.options.grad_accum_steps
   split, rebuild = _micro_batches(batch, k)
   # float32 sums (float64 for float64 parameters; a complex parameter's in complex64,
@@ -147,22 +167,23 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
   acc0 = jax.tree.map(lambda p: jnp.zeros(p.shape, at_least_float32(p.dtype)), params)
 
   def body(carry, xs):
-    acc, ms, f8 = carry
+    acc, ms, sc = carry
     mb, i = xs
     mb = rebuild(mb)
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
-    g, f8, (loss, aux, ms) = grad_fn(params, f8, ms, mb, key)
+    g, sc, (loss, aux, ms) = grad_fn(params, sc, ms, mb, key)
     acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-    return (acc, ms, f8), (loss, aux)
+    return (acc, ms, sc), (loss, aux)
 
-  (acc, model_state, fp8), (losses, auxes) = jax.lax.scan(
-      body, (acc0, model_state, fp8), (split, jnp.arange(k)))
+  (acc, model_state, scaled), (losses, auxes) = jax.lax.scan(
+      body, (acc0, model_state, scaled), (split, jnp.arange(k)))
   # Accumulated in float32 (or wider). Master weights take them so; otherwise they go on in each
   # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
   grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32
                        else a.astype(p.dtype), acc, params)
-  return grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state, fp8
+  return Grads(grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state,
+               scaled)
 
 
 def _micro_batches(batch: Any, k: int) -> tuple[list[jax.Array], Callable[[list[Any]], Any]]:

@@ -206,8 +206,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   opt_state = built.optimizer.init(opt_params)
   if master_weights:
     opt_state = MasterWeightsState(opt_params, opt_state)
-  # FP8 amax histories and scales: their own field, out of the optimizer's reach.
-  fp8_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
+  # The scaled formats' state (FP8 amax histories and scales): its own field, out of the
+  # optimizer's reach.
+  scaled_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
   if rows is not None:
     fp8_lib.warn_if_unused(rows, name, options.policy.name,
                            census=lambda: _fp8_census(options, library, model, variables,
@@ -215,13 +216,13 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                      model_state=model_state,
                      rng=jax.random.key(options.seed) if split.adapter.uses_rng else None,
-                     fp8=fp8_state or None)
+                     scaled=scaled_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
               master_weights=bool(master_weights), recompute_norms=recompute,
               half_residuals=options.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
-              fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
-                           if split.fp8_rows is not None else {}),
+              scaled_recipes=(fp8_lib.recipes_of(split.fp8_rows)
+                              if split.fp8_rows is not None else {}),
               param_specs=specs, gather_dtypes=gather_dtypes, shards=shards,
               layer_gather=layer_gather, rules=rules, state_reductions=reductions)
   return state, plan

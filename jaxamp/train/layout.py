@@ -149,7 +149,7 @@ def state_shardings(plan: Plan, state: TrainState) -> TrainState:
                     opt_state=jax.tree.map(one, state.opt_state, is_leaf=mirrors),
                     step=repl, model_state=jax.tree.map(lambda _: repl, state.model_state),
                     rng=jax.tree.map(lambda _: repl, state.rng),
-                    fp8=jax.tree.map(lambda _: repl, state.fp8))
+                    scaled=jax.tree.map(lambda _: repl, state.scaled))
 
 
 def laid_out(plan: Plan, batch: Any) -> Any:

@@ -170,7 +170,8 @@ class Plan:
     unit_scale: the step inserted ``no_loss_scale()``: no multiply, no divide.
     overflow: the loss scale's rule for a skipped step, or None (the skip traces a
       second update told the gradients are not finite).
-    fp8_recipes: ``{module path: recipe}`` of the FP8 modules with delayed state.
+    scaled_recipes: ``{module path: recipe}`` of the modules of a scaled format (FP8)
+      with state in ``TrainState.scaled``.
     param_specs: with ``param_sharding``, the ``PartitionSpec`` of each param; else None.
     gather_dtypes: with ``param_sharding``, the dtype each param leaf is gathered in
       (by ``gather='model'``, and by the eval step).
@@ -196,7 +197,7 @@ class Plan:
   half_residuals: bool = False
   unit_scale: bool = False
   overflow: Callable[[Any], Any] | None = None
-  fp8_recipes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  scaled_recipes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   param_specs: Any = None
   gather_dtypes: tuple[Any, ...] | None = None
   shards: tuple[Any, ...] | None = None

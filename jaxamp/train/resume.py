@@ -1,8 +1,9 @@
 """A state from a run under another policy, fitted to the step's precision state.
 
-A checkpoint carries the loss-scale and FP8 state of the policy it was trained under,
-and the state structure is the same across ``float32``, ``mixed_bfloat16`` and
-``mixed_float16`` (an FP8 policy adds its ``fp8`` field). Resumed as it is, a
+A checkpoint carries the loss-scale state and the scaled formats' state (FP8) of the
+policy it was trained under, and the state structure is the same across ``float32``,
+``mixed_bfloat16`` and ``mixed_float16`` (a policy with a scaled format fills its
+``scaled`` field). Resumed as it is, a
 ``mixed_bfloat16`` run's scale of 1 would serve a ``mixed_float16`` step whose float16
 gradients then underflow, and the dynamic scale takes 2,000 steps to double. So a state
 the step did not return (a restored checkpoint, another step's state) gets, with a
@@ -11,8 +12,8 @@ warning saying what changed:
 - the step's fresh loss-scale state where its scale cannot be one the step's loss scale
   uses: 1 (no scaling) in a step that scales the loss (float16), or anything but 1 in a
   step that does not; ``overflow_steps`` (``skipped_steps``) is kept;
-- the step's fresh FP8 state where the state has none, and none where the step's
-  policy keeps no FP8 state.
+- the step's fresh scaled-format state where the state has none, and none where the
+  step's policy keeps none.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class Fresh(NamedTuple):
 
   loss_scale: LossScaleState | None  # numpy leaves; None: not exactly one in the state
   loss_scale_shardings: Any
-  fp8: Any  # numpy leaves, or None without FP8 state
-  fp8_shardings: Any
+  scaled: Any  # numpy leaves, or None without scaled-format state
+  scaled_shardings: Any
   unit_scale: bool  # the step does not scale the loss (plan.unit_scale)
   policy: str
 
@@ -96,34 +97,37 @@ def fresh_of(plan: Plan, state: TrainState) -> Fresh | None:
   """What :func:`fitted` needs of ``init``'s ``state`` (placed); None where it is not
   concrete (``jax.eval_shape(train.init, ...)``)."""
   scale = _loss_scale(state.opt_state)
-  if not _concrete((scale, state.fp8)) or not all(
+  if not _concrete((scale, state.scaled)) or not all(
       x.is_fully_addressable or x.sharding.is_fully_replicated
-      for x in jax.tree.leaves((scale, state.fp8))):
+      for x in jax.tree.leaves((scale, state.scaled))):
     return None
   scale_host, scale_shardings = _host(scale) if scale is not None else (None, None)
-  fp8_host, fp8_shardings = _host(state.fp8) if state.fp8 is not None else (None, None)
-  return Fresh(scale_host, scale_shardings, fp8_host, fp8_shardings, plan.unit_scale,
-               plan.options.policy.name)
+  scaled_host, scaled_shardings = (_host(state.scaled) if state.scaled is not None
+                                   else (None, None))
+  return Fresh(scale_host, scale_shardings, scaled_host, scaled_shardings,
+               plan.unit_scale, plan.options.policy.name)
 
 
 def _placed(host: Any, shardings: Any) -> Any:
   return jax.tree.map(jax.device_put, host, shardings)
 
 
-def _fp8_fitted(fresh: Fresh, fp8: Any, stacklevel: int) -> Any:
-  if (fp8 is None) == (fresh.fp8 is None):
-    return fp8
-  if fp8 is None:
+def _scaled_fitted(fresh: Fresh, scaled: Any, stacklevel: int) -> Any:
+  if (scaled is None) == (fresh.scaled is None):
+    return scaled
+  if scaled is None:
     warnings.warn(
-        f"jaxamp: this state has no FP8 state (it was made under a policy without FP8 "
-        f"matmuls), but this step's policy {fresh.policy!r} runs them with delayed "
-        "scaling: their amax histories and scales start fresh, as in a new run.",
-        RuntimeWarning, stacklevel=stacklevel)
-    return _placed(fresh.fp8, fresh.fp8_shardings)
+        f"jaxamp: this state has no scaled-format state (it was made under a policy "
+        f"without FP8 matmuls or another scaled format), but this step's policy "
+        f"{fresh.policy!r} keeps state for its scaled matmuls (FP8 delayed scaling: amax "
+        "histories and scales): it starts fresh, as in a new run.", RuntimeWarning,
+        stacklevel=stacklevel)
+    return _placed(fresh.scaled, fresh.scaled_shardings)
   warnings.warn(
-      f"jaxamp: this state holds FP8 amax histories and scales (it was made under an FP8 "
-      f"policy), which this step's policy {fresh.policy!r} does not use: they are dropped.",
-      RuntimeWarning, stacklevel=stacklevel)
+      f"jaxamp: this state holds scaled-format state (FP8 amax histories and scales, made "
+      f"under an FP8 policy, or another scaled format's), which this step's policy "
+      f"{fresh.policy!r} does not use: it is dropped.", RuntimeWarning,
+      stacklevel=stacklevel)
   return None
 
 
@@ -158,7 +162,7 @@ def _scale_fitted(fresh: Fresh, opt_state: Any, stacklevel: int) -> Any:
 
 
 def fitted(fresh: Fresh | None, state: Any, stacklevel: int = 4) -> Any:
-  """``state`` with the loss-scale and FP8 state the step's policy needs (see the module
+  """``state`` with the loss-scale and scaled state the step's policy needs (see the module
   docstring), warning for each change; ``state`` itself where nothing changes.
 
   Args:
@@ -169,8 +173,8 @@ def fitted(fresh: Fresh | None, state: Any, stacklevel: int = 4) -> Any:
   """
   if fresh is None or not isinstance(state, TrainState):
     return state
-  fp8 = _fp8_fitted(fresh, state.fp8, stacklevel + 1)
+  scaled = _scaled_fitted(fresh, state.scaled, stacklevel + 1)
   opt_state = _scale_fitted(fresh, state.opt_state, stacklevel + 1)
-  if fp8 is state.fp8 and opt_state is state.opt_state:
+  if scaled is state.scaled and opt_state is state.opt_state:
     return state
-  return state._replace(fp8=fp8, opt_state=opt_state)
+  return state._replace(scaled=scaled, opt_state=opt_state)

@@ -14,7 +14,16 @@ from jaxamp.rules import path_name
 __all__ = ["TrainState", "MasterWeightsState", "abstract_state"]
 
 
-class TrainState(NamedTuple):
+class _TrainStateFields(NamedTuple):
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  model_state: Any
+  rng: jax.Array | None
+  fp8: Any = None  # the stored name: orbax checkpoints key the state by it
+
+
+class TrainState(_TrainStateFields):
   """Everything a training run carries from step to step.
 
   Attributes:
@@ -34,17 +43,35 @@ class TrainState(NamedTuple):
       (skipped ones excluded), so the key itself never changes and a model that draws
       none costs no key work. None for NNX models (they carry their RNG streams in
       ``model_state``) and Equinox models (they take keys as arguments).
-    fp8: under an FP8 policy, ``{module path: jaxamp.fp8.Fp8Meta}`` (amax histories and
-      scales), updated by the step's forward and backward passes, never by the
-      optimizer, and kept as is on a skipped step; None without FP8 modules.
+    fp8: the scaled formats' state (:mod:`jaxamp.scaled`), also read as :attr:`scaled`:
+      under a policy with a scaled format (FP8), ``{module path: that module's state}``
+      (:class:`jaxamp.fp8.Fp8Meta` for FP8: amax histories and scales), updated by the
+      step's forward and backward passes, never by the optimizer, and kept on a skipped
+      step; None without such modules. Stored under the name ``fp8``, which checkpoints
+      key it by; ``TrainState(..., scaled=)`` and ``_replace(scaled=)`` take either name.
   """
 
-  params: Any
-  opt_state: Any
-  step: jax.Array
-  model_state: Any
-  rng: jax.Array | None
-  fp8: Any = None
+  __slots__ = ()
+
+  def __new__(cls, params: Any, opt_state: Any, step: jax.Array, model_state: Any,
+              rng: jax.Array | None, fp8: Any = None, *, scaled: Any = None):
+    if scaled is not None:
+      if fp8 is not None:
+        raise TypeError("TrainState takes scaled= or fp8= (the same field), not both.")
+      fp8 = scaled
+    return super().__new__(cls, params, opt_state, step, model_state, rng, fp8)
+
+  @property
+  def scaled(self) -> Any:
+    """The scaled formats' state, ``{module path: state}`` or None (the ``fp8`` field)."""
+    return self.fp8
+
+  def _replace(self, **changes: Any) -> TrainState:
+    if "scaled" in changes:
+      if "fp8" in changes:
+        raise TypeError("_replace takes scaled= or fp8= (the same field), not both.")
+      changes["fp8"] = changes.pop("scaled")
+    return super()._replace(**changes)
 
 
 class MasterWeightsState(NamedTuple):

@@ -24,9 +24,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxamp import fp8 as fp8_lib
 from jaxamp import gather
 from jaxamp import loss_scale as _ls
+from jaxamp import scaled as scaled_lib
 from jaxamp.casting import narrow_cotangents, widen_floating
 from jaxamp.rules import path_name
 from jaxamp.train import devices, layout, update
@@ -57,11 +57,12 @@ def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[s
   narrowable = (plan.narrow_reads and options.skip_nonfinite and plan.mesh is None
                 and options.grad_accum_steps == 1)
   with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
-    grads, loss, aux, model_state, fp8 = devices.grads(plan, state, batch, scale, rng)
-  new = update.apply_or_skip(plan, state, grads, loss, model_state, fp8, scale, found)
+    out = devices.grads(plan, state, batch, scale, rng)
+  new = update.apply_or_skip(plan, state, out.grads, out.loss, out.model_state, out.scaled,
+                             scale, found)
   new_state = TrainState(params=new.params, opt_state=new.opt_state, step=state.step + 1,
-                         model_state=new.model_state, rng=state.rng, fp8=new.fp8)
-  return new_state, _metrics(plan, state, new, grads, loss, aux)
+                         model_state=new.model_state, rng=state.rng, scaled=new.scaled)
+  return new_state, _metrics(plan, state, new, out.grads, out.loss, out.aux)
 
 
 def _metrics(plan: Plan, state: TrainState, new: update.Applied, grads: Any,
@@ -115,15 +116,15 @@ def eval_step(plan: Plan, state: TrainState, batch: Any, per_layer: bool = False
 
   # Every array an argument, none closed over: under jax.sharding.auto_axes (below) a
   # closed-over array keeps its Explicit mesh, which the Auto one inside refuses to mix
-  # with (Linen's dropout key, the FP8 state).
-  def run(params, model_state, rng, fp8, batch):
-    with fp8_lib.state_scope(fp8), gather.prefetching(per_layer and plan.prefetch):
+  # with (Linen's dropout key, the scaled formats' state).
+  def run(params, model_state, rng, scaled, batch):
+    with scaled_lib.state_scope(scaled), gather.prefetching(per_layer and plan.prefetch):
       model, _ = plan.adapter.bind(params, model_state, rng, options.policy, train=False,
                                    float32_outputs=options.float32_outputs, shards=shards)
       return widen_floating(call_user(options.evaluate, model, batch))
 
   run = autocast_under_level(options, run, batch_argnum=4)
-  args = (params, state.model_state, state.rng, state.fp8, batch)
+  args = (params, state.model_state, state.rng, state.scaled, batch)
   reads = gather.global_reads(plan.mesh) if per_layer else contextlib.nullcontext()
   with rules_in_force(plan), reads:
     if plan.mesh is not None and jax.sharding.AxisType.Explicit in plan.mesh.axis_types:

@@ -4,8 +4,9 @@ One reduction of the gradients gives their global norm and the verdict (every el
 finite, and the norm within float32's range); that, what a skipped step keeps and the
 loss scale's rule on it are :mod:`jaxamp.skip`'s. A ``lax.cond`` then runs the optimizer
 only on a finite step; on a skipped one only the loss scale moves (it backs off) and
-the parameters, every optimizer-state leaf, the model state and the FP8 state stay
-bit-identical. With master weights the optimizer updates float32 copies and the stored
+the parameters, every optimizer-state leaf and the model state stay bit-identical, and
+the scaled formats' state is what each format keeps on a skip (FP8: its old state, bit
+for bit). With master weights the optimizer updates float32 copies and the stored
 params are their casts. A float16 parameter an update would make inf skips the step too.
 """
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp import scaled as scaled_lib
 from jaxamp import skip as skip_lib
 from jaxamp.casting import NarrowCotangents, is_floating_array, widen_floating
 from jaxamp.train.plan import Plan
@@ -33,14 +35,14 @@ class Applied(NamedTuple):
   params: Any
   opt_state: Any
   model_state: Any
-  fp8: Any
+  scaled: Any
   grads_finite: jax.Array
   grad_norm: jax.Array
   params_finite: Any  # a bool array, or True where no parameter is float16
 
 
 def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
-                  model_state: Any, fp8: Any, scale: jax.Array,
+                  model_state: Any, scaled: Any, scale: jax.Array,
                   found: NarrowCotangents | None) -> Applied:
   """The state after ``grads`` (scaled by ``scale``) are applied, or after the step is
   skipped if they are not finite (``skip_nonfinite``).
@@ -49,6 +51,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
   widened (:func:`jaxamp.casting.narrow_cotangents`); the cond holds those narrow.
   """
   unit = None if plan.unit_scale else scale
+  kept = lambda old, new: scaled_lib.kept_on_skip(old, new, plan.scaled_recipes)
 
   def received(grads: Any) -> Any:
     # What the optimizer receives (unscaled): float32 (or wider) for master weights,
@@ -78,7 +81,7 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
 
   # The branches take what they read as operands, as flat leaves (_flat_cond).
   def apply(operands):
-    state, held, loss, grad_norm, model_state, fp8 = operands
+    state, held, loss, grad_norm, model_state, scaled = operands
     opt_grads = unpack(held)
     # jaxamp.clip_by_global_norm in the chain reuses the norm (XLA cannot share it
     # with a second one computed inside this branch).
@@ -89,11 +92,11 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
     # would be stored as inf: skip such a step like an overflowing one.
     params_finite = _params_finite(params)
     if params_finite is None:
-      return params, opt_state, model_state, fp8, np.bool_(True)
+      return params, opt_state, model_state, scaled, np.bool_(True)
     opt_state = skip_lib.skipped_for_params(params_finite, opt_state, state.opt_state)
     keep = lambda new, old: skip_lib.select_tree(params_finite, new, old)
     return (keep(params, state.params), opt_state, keep(model_state, state.model_state),
-            keep(fp8, state.fp8), params_finite)
+            keep(scaled, kept(state.scaled, scaled)), params_finite)
 
   def skip(operands):
     # Only the loss scale moves (it backs off); the rest of the state is kept.
@@ -102,9 +105,10 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
       opt_state = skip_lib.on_overflow(plan.overflow, state.opt_state)
     else:
       opt_state, _ = _update(plan, state, unpack(held), operands[2], finite=False)
-    return state.params, opt_state, state.model_state, state.fp8, np.bool_(True)
+    return (state.params, opt_state, state.model_state, kept(state.scaled, operands[5]),
+            np.bool_(True))
 
-  operands = (state, list(held), loss, grad_norm, model_state, fp8)
+  operands = (state, list(held), loss, grad_norm, model_state, scaled)
   if plan.options.skip_nonfinite:
     outs = _flat_cond(grads_finite, apply, skip, operands)
   else:

@@ -1,0 +1,341 @@
+"""Scaled formats: the protocol a precision with per-module state implements.
+
+A scaled format runs a layer's matmul on operands it quantizes with scales of its own
+(FP8 with one scale per tensor, :mod:`jaxamp.fp8`, is the one jaxamp ships), and may keep
+state per module between steps (delayed scaling's amax history). Its configuration is a
+*recipe*, a frozen, hashable value a :class:`jaxamp.Policy` holds (``Policy(...,
+fp8=recipe)``: a policy is a static argument of ``jax.jit``); its behaviour is a
+:class:`ScaledFormat`, registered for the recipe's type with :func:`register`. The train
+step knows formats only through this module:
+
+- ``init``: each module the format runs gets ``fmt.init_state(recipe)`` in
+  ``TrainState.fp8`` (``{module path: state}``, also read as ``TrainState.scaled``), out
+  of the optimizer's reach;
+- the forward pass: the layer's matmul is ``fmt.dot_general(..., state=, recipe=)``, with
+  the module's state read from :func:`state_scope`;
+- after the backward pass: the state's gradient (what the format's ``custom_vjp`` hands
+  back as the state's cotangent) is reduced across devices (``fmt.reduce``) and turned
+  into the new state (``fmt.update``), after every micro-batch (:func:`merge_state`);
+- a skipped step keeps ``fmt.kept_on_skip(old, new)`` (the old state by default).
+
+A toy format rounding both operands to a grid of ``1 / scale`` and counting its matmuls
+(``tests/test_scaled.py`` trains a model with one, its state updated through a
+``custom_vjp``):
+
+Example:
+  >>> import dataclasses, jax, jax.numpy as jnp
+  >>> from jaxamp import scaled
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Grid:
+  ...   scale: float = 2.0
+  >>> class GridFormat(scaled.ScaledFormat):
+  ...   name = "grid"
+  ...   def init_state(self, recipe):
+  ...     return jnp.zeros((), jnp.float32)
+  ...   def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+  ...                   preferred_element_type=None, *, state, recipe):
+  ...     q = lambda x: jnp.round(x * recipe.scale) / recipe.scale
+  ...     return jax.lax.dot_general(q(lhs), q(rhs), dimension_numbers)
+  ...   def update(self, state, cotangent, recipe):
+  ...     return state + 1
+  >>> scaled.register(Grid, GridFormat())
+  >>> fmt = scaled.format_of(Grid())
+  >>> fmt.dot_general(jnp.array([[0.7]]), jnp.array([[1.2]]), (((1,), (0,)), ((), ())),
+  ...                 state=None, recipe=Grid()).tolist()
+  [[0.5]]
+  >>> scaled.unregister(Grid)
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxamp import _warn_once
+
+__all__ = [
+    "ScaledFormat",
+    "format_of",
+    "is_recipe",
+    "kept_on_skip",
+    "merge_state",
+    "policy_name",
+    "policy_recipe",
+    "recipe_named",
+    "register",
+    "state_scope",
+    "unregister",
+]
+
+
+class ScaledFormat(abc.ABC):
+  """What a scaled format defines. Subclass it, and :func:`register` an instance for the
+  type of its recipes.
+
+  Attributes:
+    name: what warnings and errors call it (``'FP8'``).
+    census_dtypes: the operand dtype names of its matmuls (``'float8_e4m3fn'``): a
+      matmul with such an operand counts as run in the format (the census and
+      :func:`jaxamp.precision_report` read it).
+  """
+
+  name: str = "scaled"
+  census_dtypes: frozenset[str] = frozenset()
+
+  @abc.abstractmethod
+  def init_state(self, recipe: Any) -> Any:
+    """A module's fresh state: a pytree of arrays, whose structure never changes."""
+
+  @abc.abstractmethod
+  def dot_general(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                  precision: Any = None, preferred_element_type: Any = None, *,
+                  state: Any, recipe: Any) -> jax.Array:
+    """The layer's matmul (``lhs`` the input, ``rhs`` the kernel), as
+    ``lax.dot_general``. ``state``: the module's state, or None where there is none
+    (outside a train step). In a train step the state is differentiated: its cotangent
+    is what :meth:`update` receives (a ``custom_vjp`` hands out what the pass observed,
+    such as the amaxes of the output gradient)."""
+
+  @abc.abstractmethod
+  def update(self, state: Any, cotangent: Any, recipe: Any) -> Any:
+    """The state after a forward and backward pass that ran the module, from the old
+    ``state`` and the state's ``cotangent`` (already :meth:`reduce`-d)."""
+
+  def reduce(self, cotangent: Any, recipe: Any, axes: Any) -> Any:
+    """Inside ``shard_map``: the ``cotangent`` combined over the batch mesh ``axes``, so
+    every device updates its state alike. The default: each leaf's maximum."""
+    del recipe
+    return jax.tree.map(lambda x: lax.pmax(x, axes), cotangent)
+
+  def kept_on_skip(self, old: Any, new: Any, recipe: Any) -> Any:
+    """The state a skipped step (non-finite gradients) keeps: the old one by default."""
+    del new, recipe
+    return old
+
+  def stateless_warning(self, recipe: Any, what: str) -> str | None:
+    """The warning for a module run in a train step without state (inside
+    ``nnx.scan``, say), or None where the recipe needs none."""
+    del recipe
+    return (f"jaxamp: the {self.name} {what} has no state in this train step (a layer "
+            "inside a scan/vmap/remat transform, or one created during the call): it runs "
+            "with no state. Keep it out of the format with a jaxamp.set_policy rule to "
+            "silence this.")
+
+
+# --- the registry: recipe type -> format -------------------------------------------------
+
+_FORMATS: dict[type, ScaledFormat] = {}
+_NAMES: dict[str, Callable[[], Any]] = {}
+_POLICIES: dict[str, Callable[[], Any]] = {}
+
+
+def register(recipe_type: type, fmt: ScaledFormat,
+             names: Mapping[str, Callable[[], Any]] | None = None,
+             policies: Mapping[str, Callable[[], Any]] | None = None) -> None:
+  """Makes ``fmt`` run the recipes of ``recipe_type`` (and its subclasses): a policy then
+  takes them (``Policy(..., fp8=recipe)``).
+
+  Args:
+    recipe_type: the recipes' class.
+    fmt: the format running them.
+    names: short names policy strings take (``'p=f32,c=bf16,fp8=<name>'``), each with a
+      function making its recipe.
+    policies: policy names ``get_policy`` takes (``'mixed_fp8_rowwise'``), each with a
+      function making its recipe: float32 params, bfloat16 compute and output, as
+      ``'mixed_fp8'``.
+  """
+  if not isinstance(fmt, ScaledFormat):
+    raise TypeError(f"register takes a jaxamp.scaled.ScaledFormat, got {fmt!r}.")
+  _FORMATS[recipe_type] = fmt
+  _NAMES.update(names or {})
+  _POLICIES.update(policies or {})
+
+
+def unregister(recipe_type: type) -> None:
+  """Forgets ``recipe_type``'s format and the names that make its recipes."""
+  _FORMATS.pop(recipe_type, None)
+  for table in (_NAMES, _POLICIES):
+    for name in [n for n, make in table.items() if make is recipe_type]:
+      del table[name]
+
+
+def _lookup(recipe: Any) -> ScaledFormat | None:
+  for cls in type(recipe).__mro__:
+    if cls in _FORMATS:
+      return _FORMATS[cls]
+  return None
+
+
+def is_recipe(recipe: Any) -> bool:
+  """Whether ``recipe`` is of a registered type."""
+  return _lookup(recipe) is not None
+
+
+def format_of(recipe: Any) -> ScaledFormat:
+  """The format registered for ``recipe``'s type; a ValueError naming those known."""
+  fmt = _lookup(recipe)
+  if fmt is None:
+    known = ", ".join(sorted(t.__name__ for t in _FORMATS))
+    raise ValueError(f"{recipe!r} is not a recipe of a registered scaled format "
+                     f"(registered: {known}); see jaxamp.scaled.register.")
+  return fmt
+
+
+def recipe_named(name: str) -> Any:
+  """The recipe a registered short name makes, or None."""
+  make = _NAMES.get(name)
+  return None if make is None else make()
+
+
+def policy_recipe(name: str) -> Any:
+  """The recipe a registered policy name makes, or None."""
+  make = _POLICIES.get(name)
+  return None if make is None else make()
+
+
+def policy_name(recipe: Any) -> str | None:
+  """The registered policy name whose recipe equals ``recipe``, or None."""
+  return next((name for name, make in _POLICIES.items() if make() == recipe), None)
+
+
+# --- the state a train step threads through the model ------------------------------------
+
+
+class _Scope:
+  """One traced forward pass: the state it reads and, in a train step's forward pass
+  (``record``), which modules used it."""
+
+  def __init__(self, state: Mapping[str, Any], record: bool = False):
+    self.state = dict(state)
+    self.record = record
+    self.names: dict[int, str] = {}  # id(NNX module) -> path
+    self.used: set[str] = set()
+
+
+class _Local(threading.local):
+  def __init__(self):
+    super().__init__()
+    self.scopes: list[_Scope] = []
+
+
+_local = _Local()
+
+
+def current() -> _Scope | None:
+  """The innermost running scope, or None."""
+  return _local.scopes[-1] if _local.scopes else None
+
+
+@contextlib.contextmanager
+def state_scope(state: Mapping[str, Any] | None, *,
+                record: bool = False) -> Iterator[_Scope | None]:
+  """Makes ``state`` (module path -> its format's state) what scaled layers read here.
+
+  ``record``: the block is a train step's forward pass, whose backward pass hands out
+  the new state: each module's use is recorded (a module run twice is refused), and a
+  layer whose recipe needs state but has none (even with no state at all) warns. Without
+  it (eval) modules only read their state, as often as they run.
+  """
+  if not state and not record:
+    yield None
+    return
+  scope = _Scope(state or {}, record)
+  _local.scopes.append(scope)
+  try:
+    yield scope
+  finally:
+    _local.scopes.pop()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """No state in this block: abstract passes (plans, censuses) traced inside a step run
+  without state and count no module as run."""
+  _local.scopes.append(_Scope({}))
+  try:
+    yield
+  finally:
+    _local.scopes.pop()
+
+
+def name_modules(named: Mapping[int, str]) -> None:
+  """Tells the running scope the path of each NNX module id (its state's key)."""
+  if _local.scopes:
+    _local.scopes[-1].names.update(named)
+
+
+def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
+  """The ``dot_general`` of the module at ``path`` (``what`` names it in messages) in the
+  running scope: its format's, with its state.
+
+  The state is read when the module's matmul runs, not before: a module whose matmul
+  does not run (an outer-product einsum) keeps its state, and one whose matmul runs
+  twice in a step is refused.
+  """
+  scope = current()
+  state = scope.state.get(path) if scope is not None and path is not None else None
+  fmt = format_of(recipe)
+
+  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+          **kwargs):
+    # Warned when the matmul runs, not when the layer is set up: a lifted transform's
+    # wrapper (nn.remat's) gets a dot that only its clone, named by its own path, runs.
+    if scope is not None and scope.record and state is None:
+      message = fmt.stateless_warning(recipe, what)
+      if message is not None:
+        _warn_once.warn_once(("fp8.stateless", what), message, RuntimeWarning,
+                             stacklevel=2)
+    if state is not None and scope.record:
+      if path in scope.used:
+        raise ValueError(
+            f"{fmt.name} module {path!r} ran twice in one step; its state holds one "
+            "history per module, and the two backward passes would add their histories. "
+            f"Keep it out of {fmt.name} with jaxamp.set_policy({path!r}, "
+            "'mixed_bfloat16').")
+      scope.used.add(path)
+    if kwargs.get("out_sharding", "absent") is None:
+      del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
+    return fmt.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                           state=state, recipe=recipe, **kwargs)
+
+  dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
+  return dot
+
+
+def merge_state(old: Mapping[str, Any], cotangent: Mapping[str, Any], used: set[str],
+                recipes: Mapping[str, Any], axes: Any = None) -> dict[str, Any]:
+  """The state after a forward and backward pass: each module that ran updated by its
+  format from its state's cotangent (first reduced over the mesh ``axes``, inside
+  ``shard_map``); the others as they were."""
+  out = {}
+  for path, state in old.items():
+    if path in used:
+      fmt, recipe = format_of(recipes[path]), recipes[path]
+      cot = cotangent[path]
+      if axes:
+        cot = fmt.reduce(cot, recipe, axes)
+      out[path] = fmt.update(state, cot, recipe)
+    else:
+      out[path] = state
+  return out
+
+
+def kept_on_skip(old: Any, new: Any, recipes: Mapping[str, Any]) -> Any:
+  """The state a skipped step keeps: each module's format decides (the old state by
+  default); None stays None."""
+  if old is None:
+    return old
+  return {path: format_of(recipes[path]).kept_on_skip(state, new[path], recipes[path])
+          if path in recipes else state for path, state in old.items()}
+
+
+def operand_dtypes() -> frozenset[str]:
+  """The dtype names the census counts as run in some registered format."""
+  return frozenset().union(*(f.census_dtypes for f in _FORMATS.values()))
+
