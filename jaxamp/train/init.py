@@ -77,7 +77,7 @@ def _split_model(options: Options, model: Any, recompute: bool, variables: Any,
       fp8_rows = [row for row in rows if row[0] not in stacked]
     graphdef, params, model_state = NNXAdapter.split(model)
     return _Split(NNXAdapter(graphdef, recompute), params, model_state, rows, fp8_rows,
-                  _holders(model) if options.param_sharding is not None else {})
+                  _holders(model) if options.sharding.param_sharding is not None else {})
   if _is_pytree_model(model, variables):
     return _split_pytree(options, model, recompute, example_args, example_kwargs)
   if variables is None or "params" not in variables:
@@ -183,7 +183,7 @@ def _state_reductions(options: Options, model_state: Any) -> tuple[tuple[str, An
   """``(path, reduction)`` per model-state array leaf: the user's
   ``model_state_reduction`` pattern that matches its path first, else the known kinds'
   (BatchNorm statistics averaged, RNG streams the same on every device), else None."""
-  declared = options.model_state_reduction or {}
+  declared = options.sharding.model_state_reduction or {}
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(
       model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
@@ -237,7 +237,7 @@ def _gathers_per_layer(options: Options, adapter: Any, model: Any) -> bool:
   jaxamp sees: NNX models (Variable hooks) without bridged Linen modules (which read
   their parameters as a whole), Linen models (``self.param`` unboxes the slice),
   Equinox models (their policy views' field reads)."""
-  gather = sharding_lib.gather_of(options.param_sharding)
+  gather = sharding_lib.gather_of(options.sharding.param_sharding)
   why = None
   if isinstance(adapter, NNXAdapter) and any(
       isinstance(node, nnx.bridge.ToNNX) for _, node in nnx.iter_graph(model)):
@@ -264,7 +264,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   rules = rules_lib.snapshot()  # the step traces under the rules in force now
   model, recompute = unwrap(options, model)
   # Each init decides afresh: a wrapped model's request does not outlive it.
-  recompute = options.recompute_norms or recompute
+  recompute = options.memory.recompute_norms or recompute
   with level_rules(options):
     split = _split_model(options, model, recompute, variables, example_args, example_kwargs)
   name = type(model).__name__
@@ -273,12 +273,13 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     warn_unmatched_path_rules(name, [row[0] for row in rows], stacklevel=4)
   check_trainable(split.params, name)
   params, model_state, specs, gather_dtypes = split.params, split.model_state, None, None
-  if options.param_sharding is not None:
+  sharding = options.sharding
+  if sharding.param_sharding is not None:
     # Read the specs while Linen's partitioning boxes are still on, then drop them.
-    specs = sharding_lib.param_specs(options.param_sharding, params, options.mesh)
+    specs = sharding_lib.param_specs(sharding.param_sharding, params, sharding.mesh)
     params, model_state = _flax_compat.unbox((params, model_state))
   params = _stored(options, params, rows, name)
-  reductions = _state_reductions(options, model_state) if options.mesh is not None else None
+  reductions = _state_reductions(options, model_state) if sharding.mesh is not None else None
   if isinstance(split.adapter, NNXAdapter):  # the Variables' types and metadata are read
     params, model_state, specs = map(NNXAdapter.plain, (params, model_state, specs))
   shards, layer_gather = None, False
@@ -286,11 +287,11 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     gather_dtypes = _gather_dtypes(params, rows, split.holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
-    shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
-                            options.reduce_dtype(x.dtype))
+    shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
+                            sharding.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
     layer_gather = _gathers_per_layer(options, split.adapter, model)
-  master_weights = options.master_weights
+  master_weights = options.memory.master_weights
   if master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                          for x in jax.tree.leaves(params))
@@ -312,7 +313,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                      fp8=fp8_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
               master_weights=bool(master_weights), recompute_norms=recompute,
-              half_residuals=options.half_residuals and _computes_in_half(options, rows),
+              half_residuals=options.memory.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
               fp8_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                            if split.fp8_rows is not None else {}),
