@@ -106,8 +106,8 @@ def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
   kw = {"skip_nonfinite": fsdp.pop("skip", True)}
   if fsdp:
     kw["param_sharding"] = jaxamp.fsdp("fsdp", **fsdp)
-  return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
-                                batch_axis="fsdp", **kw)
+  return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY,
+                                sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp"), **kw)
 
 
 def _gathered_bytes(train: Any, params: Any) -> int | None:

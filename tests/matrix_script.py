@@ -229,7 +229,8 @@ def made(row, mesh):
     tx = optax.chain(tx, averaged_params())
   step = lambda policy: jaxamp.make_train_step(
       loss_fn, tx, policy=policy, grad_accum_steps=row["accum"],
-      model_state_reduction=REDUCTION, half_residuals=row["residuals"] == "half", **kw)
+      sharding=jaxamp.ShardingConfig(model_state_reduction=REDUCTION),
+      memory=jaxamp.MemoryConfig(half_residuals=row["residuals"] == "half"), **kw)
   train = step(row["policy"])
   if row["model"] == "equinox":
     args = (equinox_net(row["state"]),)

@@ -83,10 +83,13 @@ def test_bad_param_shardings_are_named():
   with pytest.raises(ValueError, match="expected a jax.sharding.PartitionSpec"):
     param_specs({"w": "fsdp"}, params, mesh)
   with pytest.raises(ValueError, match="param_sharding needs a mesh"):
-    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp())
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1),
+                           sharding=jaxamp.ShardingConfig(param_sharding=fsdp()))
   with pytest.raises(ValueError, match="batch_axis 'fsdp' is not an axis of the mesh"):
-    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp(),
-                           mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1),
+                           sharding=jaxamp.ShardingConfig(
+                               param_sharding=fsdp(), mesh=jax.make_mesh((1,), ("data",)),
+                               batch_axis=("data", "fsdp")))
 
 
 def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are_seen():
@@ -102,8 +105,9 @@ def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are
                                                                   "auto"]
   mesh = jax.make_mesh((1,), ("fsdp",))
   make = lambda gather: jaxamp.make_train_step(
-      lambda m, b: m(b).sum(), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=1, gather=gather))
+      lambda m, b: m(b).sum(), optax.sgd(0.1),
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=1, gather=gather)))
   x = jnp.ones((2, 8))
   bridged = nnx.bridge.lazy_init(nnx.bridge.ToNNX(nn.Dense(4), rngs=nnx.Rngs(0)), x)
   with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where a module "
@@ -183,8 +187,9 @@ def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_
   variables = TiedHead().init(jax.random.key(0), ids)
   loss = lambda m, b: jnp.mean(m(b).astype(jnp.float32) ** 2)
   make = lambda gather: jaxamp.make_train_step(
-      loss, optax.sgd(0.1), policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=16, gather=gather))
+      loss, optax.sgd(0.1), policy="mixed_bfloat16",
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=16, gather=gather)))
   with pytest.raises(ValueError, match=r"gather='layer': parameter embed/embedding was used "
                      r"as an array \(\.T\) without being read as a parameter \(a Linen module "
                      r"reading self\.variables\['params'\] rather than self\.param"):
@@ -221,8 +226,10 @@ def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_
     def loss_fn(model, b):
       fit = jnp.mean((model(b["x"]) - b["y"]) ** 2)
       return fit + 1e-2 * sum(jnp.sum(p ** 2) for p in l2(model))
-    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-                                   param_sharding=fsdp(min_size=16, gather=gather))
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1),
+                                   sharding=jaxamp.ShardingConfig(
+                                       mesh=mesh, batch_axis="fsdp",
+                                       param_sharding=fsdp(min_size=16, gather=gather)))
     return train, train.init(nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
 
   raw = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))  # the Variables' raw arrays
@@ -335,8 +342,10 @@ def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes
   for prefetch in (False, True):
     train = jaxamp.make_train_step(
         lambda m, b: jnp.mean(call(m, b).astype(jnp.float32) ** 2), optax.sgd(0.1),
-        policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
-        param_sharding=fsdp(min_size=16, gather="layer", prefetch=prefetch))
+        policy="mixed_bfloat16",
+        sharding=jaxamp.ShardingConfig(
+            mesh=mesh, batch_axis="fsdp",
+            param_sharding=fsdp(min_size=16, gather="layer", prefetch=prefetch)))
     state = (train.init(model, variables, x) if variables is not None
              else train.init(model))
     assert train.plan.prefetch == prefetch
@@ -349,8 +358,9 @@ def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes
   assert not any(waits[True]), waits
   # On CPU devices the default is off (XLA:CPU overlaps nothing).
   cpu_default = jaxamp.make_train_step(
-      lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=16, gather="layer"))
+      lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=16, gather="layer")))
   cpu_default.init(nnx.Linear(16, 24, rngs=nnx.Rngs(0)))
   assert cpu_default.plan.layer_gather and not cpu_default.plan.prefetch
   with pytest.raises(ValueError, match="prefetch must be True, False or None .*got 'yes'"):
