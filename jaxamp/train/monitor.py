@@ -107,4 +107,5 @@ class SkipStreaks:
                "(jax.nn.gelu's backward pass; see the README).")
       warnings.warn(
           f"jaxamp: the last {self.window} train steps were all skipped: {why} "
-          "DebugConfig(warn_skipped_steps=None) turns this warning off.", RuntimeWarning, stacklevel=3)
+          "DebugConfig(warn_skipped_steps=None) turns this warning off.", RuntimeWarning,
+          stacklevel=3)
