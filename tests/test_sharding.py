@@ -157,8 +157,9 @@ def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sha
   evaluate = lambda m, b: {"loss": loss(m, b), "logits": m(b)}
   variables = _LinenLM().init(jax.random.key(0), ids)
   results = []
-  for kw in ({}, dict(mesh=mesh, batch_axis="data", param_sharding=param_sharding)):
-    train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, **kw)
+  for sharding in (None, jaxamp.ShardingConfig(mesh=mesh, batch_axis="data",
+                                               param_sharding=param_sharding)):
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, sharding=sharding)
     state = (train.init(LM(nnx.Rngs(0))) if library == "nnx"
              else train.init(_LinenLM(), variables, ids))
     results.append(train.eval_step(state, ids))

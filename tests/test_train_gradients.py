@@ -260,7 +260,7 @@ def passenger_loss(seen):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", half_residuals=False),
+    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", memory=jaxamp.MemoryConfig(half_residuals=False)),
     dict(policy="mixed_bfloat16", grad_accum_steps=2)], ids=str)
 def test_keys_ints_and_bools_in_the_batch_reach_loss_fn_unchanged(kw):
   """A typed PRNG key in the batch crashed the default mixed step (the half_residuals
