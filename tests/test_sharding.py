@@ -752,9 +752,9 @@ batches = make_batches(2, size=32)
 x = batches[0]['x']
 
 def sharding(gather):
-  return {{}} if gather is None else dict(
+  return {{}} if gather is None else dict(sharding=jaxamp.ShardingConfig(
       mesh=mesh, batch_axis=('data', 'fsdp'),
-      param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
+      param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather)))
 """
 
 _LINEN_MODEL = """
