@@ -103,11 +103,11 @@ def _init(kind: str, cfg: models.LMConfig, train: Any) -> tuple[Any, Any]:
 
 def _step(layout: str, mesh: jax.sharding.Mesh) -> Any:
   fsdp = dict(LAYOUTS[layout] or {})
-  kw = {"skip_nonfinite": fsdp.pop("skip", True)}
-  if fsdp:
-    kw["param_sharding"] = jaxamp.fsdp("fsdp", **fsdp)
-  return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY, mesh=mesh,
-                                batch_axis="fsdp", **kw)
+  skip = fsdp.pop("skip", True)
+  sharding = jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                   param_sharding=jaxamp.fsdp("fsdp", **fsdp) if fsdp else None)
+  return jaxamp.make_train_step(models.lm_loss, optax.adamw(3e-4), policy=POLICY,
+                                skip_nonfinite=skip, sharding=sharding)
 
 
 def _gathered_bytes(train: Any, params: Any) -> int | None:

@@ -69,10 +69,10 @@ def by_op(found) -> dict[str, tuple[int, str]]:
 
 
 def measure(layout: str, policy: str, mesh, batch, reduce=jnp.float32) -> dict:
-  kw = dict(mesh=mesh, batch_axis="d", grad_reduce_dtype=reduce)
-  if layout == "fsdp":
-    kw["param_sharding"] = jaxamp.fsdp("d")
-  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, **kw)
+  sharding = jaxamp.ShardingConfig(
+      mesh=mesh, batch_axis="d", grad_reduce_dtype=reduce,
+      param_sharding=jaxamp.fsdp("d") if layout == "fsdp" else None)
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, sharding=sharding)
   state = train.init(Mlp(nnx.Rngs(0)))
   lowered = train.lower(state, batch)
   compiled = lowered.compile()
@@ -142,7 +142,7 @@ Measured by `XLA_FLAGS=--xla_force_host_platform_device_count={n} python benchma
 
 Machine: {jax.default_backend()} × {n} devices ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), Python {platform.python_version()}, jax {jax.__version__}, jaxamp git {commit}.
 
-Model: MLP {'-'.join(map(str, WIDTHS))} ({n_params:,} params), Adam, batch {BATCH} split over a mesh of {n} devices (axis `d`). `replicated`: `make_train_step(mesh=mesh, batch_axis='d')`; `fsdp`: plus `param_sharding=jaxamp.fsdp('d')` (params of ≥ 4096 elements split over `d`; the biases stay replicated).
+Model: MLP {'-'.join(map(str, WIDTHS))} ({n_params:,} params), Adam, batch {BATCH} split over a mesh of {n} devices (axis `d`). `replicated`: `make_train_step(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='d'))`; `fsdp`: plus `param_sharding=jaxamp.fsdp('d')` in the config (params of ≥ 4096 elements split over `d`; the biases stay replicated).
 
 - **params / opt state MiB**: bytes one device holds (its shards), after a step. The optimizer state includes the loss-scale state and, for `bfloat16`, the float32 master weights.
 - **XLA args / temp MiB**: `compiled.memory_analysis()` of the step on one device.

@@ -59,12 +59,13 @@ def batches(steps: int):
 def run(steps: int = 3, policy: str = "mixed_bfloat16", sharded: bool = True,
         gather: str = "auto"):
   """Trains ``steps`` steps; returns the final params (as host arrays) and the losses."""
-  kw = {}
+  sharding = None
   if sharded:
     mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
-    kw = dict(mesh=mesh, batch_axis="fsdp",
-              param_sharding=jaxamp.fsdp("fsdp", min_size=1024, gather=gather))
-  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, **kw)
+    sharding = jaxamp.ShardingConfig(
+        mesh=mesh, batch_axis="fsdp",
+        param_sharding=jaxamp.fsdp("fsdp", min_size=1024, gather=gather))
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, sharding=sharding)
   state = train.init(Mlp(nnx.Rngs(0)))
   losses = []
   for batch in batches(steps):

@@ -11,7 +11,8 @@ Entry points:
   Flax models    ``jaxamp.nnx.with_policy(model)``, ``jaxamp.linen.with_policy(module)``
   train step     ``make_train_step(loss_fn, optimizer, policy=...)``: a ``TrainStep`` with
                  ``init``, ``step``, ``eval_step``, ``model``, ``trace``, ``lower``; loss
-                 scaling, exact skips, accumulation, master weights, ``mesh=`` sharding;
+                 scaling, exact skips, accumulation; grouped options ``ShardingConfig``
+                 (mesh, FSDP), ``MemoryConfig``, ``DebugConfig``;
                  ``half_residuals(fn)``: the backward pass keeps half values and statistics
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
@@ -66,7 +67,16 @@ from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
 from jaxamp.inference import convert_for_inference
 from jaxamp.summary import Summary, SummaryRow, summary
-from jaxamp.train import MasterWeightsState, TrainState, TrainStep, abstract_state, make_train_step
+from jaxamp.train import (
+    DebugConfig,
+    MasterWeightsState,
+    MemoryConfig,
+    ShardingConfig,
+    TrainState,
+    TrainStep,
+    abstract_state,
+    make_train_step,
+)
 from jaxamp.rules import (
     NAMED_NORMS,
     NORM_CLASSES,
@@ -118,7 +128,10 @@ __all__ = [
     "scale_loss",
     "skip_nonfinite",
     "static_loss_scale",
+    "DebugConfig",
     "MasterWeightsState",
+    "MemoryConfig",
+    "ShardingConfig",
     "TrainState",
     "TrainStep",
     "abstract_state",

@@ -3,7 +3,7 @@
 A *param sharding* says how each parameter is laid out over a ``jax.sharding.Mesh``: a
 pytree of ``PartitionSpec`` shaped like the params, or a function ``(params, mesh) ->
 specs`` such as the presets here. :func:`jaxamp.make_train_step` takes one as
-``param_sharding=``; the params, float32 master weights and optimizer state are then
+``sharding=jaxamp.ShardingConfig(mesh=..., param_sharding=...)``; the params, float32 master weights and optimizer state are then
 stored sharded (each device holds its slice), and each step, per device:
 
 1. casts its param slices to the compute dtype of the module owning them, then
@@ -137,8 +137,8 @@ def fsdp(axis: AxisNames = "fsdp", *, min_size: int = 2**12,
       devices other than CPUs (XLA:CPU overlaps nothing, so there it only costs memory).
 
   Returns:
-    A param sharding for ``make_train_step(param_sharding=...)``. The batch should be
-    split over ``axis`` too (``batch_axis=('data', 'fsdp')`` or ``batch_axis='fsdp'``):
+    A param sharding for ``jaxamp.ShardingConfig(param_sharding=...)``. The batch should
+    be split over ``axis`` too (``batch_axis=('data', 'fsdp')`` or ``batch_axis='fsdp'``):
     a parameter sharded over a batch axis has its gradient reduce-scattered.
 
   Example:
@@ -205,7 +205,7 @@ def annotated(rules: Sequence[tuple[str, Any]] | None = None, *,
     prefetch: whether per-layer gathers may run one module ahead (see :func:`fsdp`).
 
   Returns:
-    A param sharding for ``make_train_step(param_sharding=...)``. Unannotated
+    A param sharding for ``jaxamp.ShardingConfig(param_sharding=...)``. Unannotated
     parameters are replicated.
 
   Example:

@@ -206,30 +206,34 @@ def micro_ordered(batch, accum):
   return jax.tree.map(lambda a: a[np.array(order)], batch)
 
 
-def layout_kwargs(layout, mesh):
+def layout_sharding(layout, mesh):
+  """The ShardingConfig of ``layout`` on ``mesh`` (None: one device)."""
+  if mesh is None:
+    return jaxamp.ShardingConfig(model_state_reduction=REDUCTION)
   if layout == "replicated":
-    return dict(mesh=mesh, batch_axis="data")
-  if layout == "fsdp":
-    return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.fsdp("data", min_size=1))
-  if layout == "fsdp, whole model":  # NNX models gather per layer by default
-    return dict(mesh=mesh, batch_axis="data",
-                param_sharding=jaxamp.fsdp("data", min_size=1, gather="model"))
-  if layout == "fsdp over two axes, prefetch":  # each module's gathers one module ahead
-    return dict(mesh=mesh, batch_axis="data",
-                param_sharding=jaxamp.fsdp(("data", "model"), min_size=1, prefetch=True))
-  return dict(mesh=mesh, batch_axis="data", param_sharding=jaxamp.annotated(LOGICAL))
+    param_sharding = None
+  elif layout == "fsdp":
+    param_sharding = jaxamp.fsdp("data", min_size=1)
+  elif layout == "fsdp, whole model":  # NNX models gather per layer by default
+    param_sharding = jaxamp.fsdp("data", min_size=1, gather="model")
+  elif layout == "fsdp over two axes, prefetch":  # each module's gathers one module ahead
+    param_sharding = jaxamp.fsdp(("data", "model"), min_size=1, prefetch=True)
+  else:
+    param_sharding = jaxamp.annotated(LOGICAL)
+  return jaxamp.ShardingConfig(mesh=mesh, batch_axis="data", param_sharding=param_sharding,
+                               model_state_reduction=REDUCTION)
 
 
 def made(row, mesh):
   """The train step and first state of ``row`` (on ``mesh``, or one device)."""
   axis_name = "data" if mesh is not None else None
-  kw = layout_kwargs(row["layout"], mesh) if mesh is not None else {}
+  sharding = layout_sharding(row["layout"], mesh)
   tx = optax.sgd(0.1)
   if row["optimizer"] != "sgd":
     tx = optax.chain(tx, averaged_params())
   step = lambda policy: jaxamp.make_train_step(
       loss_fn, tx, policy=policy, grad_accum_steps=row["accum"],
-      model_state_reduction=REDUCTION, half_residuals=row["residuals"] == "half", **kw)
+      sharding=sharding, memory=jaxamp.MemoryConfig(half_residuals=row["residuals"] == "half"))
   train = step(row["policy"])
   if row["model"] == "equinox":
     args = (equinox_net(row["state"]),)

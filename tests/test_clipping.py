@@ -75,7 +75,8 @@ def test_a_known_norm_is_used_only_for_the_very_arrays_it_was_taken_of():
 
 
 def _train(policy, tx):
-  train = jaxamp.make_train_step(loss_fn, tx, policy=policy, donate=False)
+  train = jaxamp.make_train_step(loss_fn, tx, policy=policy,
+                                 memory=jaxamp.MemoryConfig(donate=False))
   return train, train.init(NNXNet(nnx.Rngs(0), batchnorm=False))
 
 
@@ -125,7 +126,8 @@ def test_after_an_element_that_changes_the_updates_the_clip_takes_its_own_norm()
 
 
 def _reductions(api, tx):
-  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", donate=False)
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16",
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, api, batchnorm=False)
   text = train.lower(state, make_batches(1)[0]).as_text()
   return len(re.findall(r"stablehlo\.reduce\b", text)), len(jax.tree.leaves(state.params))

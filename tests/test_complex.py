@@ -117,7 +117,8 @@ def test_a_complex_parameter_trains_as_plain_optax(policy):
 def test_the_first_mixed_float16_update_of_a_complex_parameter_is_float32s():
   """Not 1,024 times it (the loss scale left in). Without half_residuals, whose
   checkpoint policy is tested above."""
-  before16, after16, _ = first_step("mixed_float16", half_residuals=False)
+  before16, after16, _ = first_step("mixed_float16",
+                                    memory=jaxamp.MemoryConfig(half_residuals=False))
   before32, after32, _ = first_step("float32")
   ratio = np.abs(lam_update(before16, after16)) / np.abs(lam_update(before32, after32))
   np.testing.assert_allclose(ratio, 1.0, rtol=5e-3)
@@ -136,7 +137,8 @@ def test_grad_accum_steps_2_gives_a_complex_parameter_the_one_batch_gradient():
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_a_nan_only_in_an_imaginary_part_skips_the_step(policy):
   """It was not detected: the step was applied and the parameter became NaN."""
-  before, after, metrics = first_step(policy, poison=1.0, debug_nonfinite=True)
+  before, after, metrics = first_step(policy, poison=1.0,
+                                      debug=jaxamp.DebugConfig(nonfinite_grads=True))
   assert not bool(metrics["grads_finite"])
   assert {k: bool(v) for k, v in metrics["nonfinite_grads"].items()} == {
       "lam": True, "w/bias": False, "w/kernel": False}

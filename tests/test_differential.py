@@ -77,12 +77,12 @@ def specs(entry):
 
 reference = run()
 layouts = {  # the plain layouts are rows of the differential matrix (test_matrix.py)
-    'spec (data, model)': dict(mesh=mesh, batch_axis='data',
-                               param_sharding=specs(('data', 'model'))),
-    'spec (model, data)': dict(mesh=mesh, batch_axis='data',
-                               param_sharding=specs(('model', 'data'))),
-    'spec model, batch over both': dict(mesh=mesh, batch_axis=('data', 'model'),
-                                        param_sharding=specs('model')),
+    'spec (data, model)': dict(sharding=jaxamp.ShardingConfig(
+        mesh=mesh, batch_axis='data', param_sharding=specs(('data', 'model')))),
+    'spec (model, data)': dict(sharding=jaxamp.ShardingConfig(
+        mesh=mesh, batch_axis='data', param_sharding=specs(('model', 'data')))),
+    'spec model, batch over both': dict(sharding=jaxamp.ShardingConfig(
+        mesh=mesh, batch_axis=('data', 'model'), param_sharding=specs('model'))),
 }
 out = {'layouts': {}}
 for name, kw in layouts.items():
@@ -104,9 +104,10 @@ def fresh(**kw):
 mesh4 = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
 kinds = {
     'one device': dict(),
-    'replicated': dict(mesh=mesh, batch_axis='data'),
-    'fsdp': dict(mesh=mesh, batch_axis='data', param_sharding=jaxamp.fsdp('data', min_size=1)),
-    'replicated, 4 devices': dict(mesh=mesh4, batch_axis='data'),
+    'replicated': dict(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data')),
+    'fsdp': dict(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data',
+                                                param_sharding=jaxamp.fsdp('data', min_size=1))),
+    'replicated, 4 devices': dict(sharding=jaxamp.ShardingConfig(mesh=mesh4, batch_axis='data')),
 }
 moved = {}
 for source, target in (('fsdp', 'one device'), ('fsdp', 'replicated'), ('replicated', 'fsdp'),
@@ -242,14 +243,18 @@ def counted(accum, **kw):
 
 out['state'] = {}
 for accum in (1, 2):
-  for name, kw in (('replicated', dict(mesh=mesh, batch_axis='data')),
-                   ('fsdp', dict(mesh=mesh, batch_axis='data',
-                                 param_sharding=jaxamp.fsdp('data', min_size=1)))):
+  for name, kw in (('replicated', dict(sharding=jaxamp.ShardingConfig(
+                       mesh=mesh, batch_axis='data', model_state_reduction=REDUCTION))),
+                   ('fsdp', dict(sharding=jaxamp.ShardingConfig(
+                       mesh=mesh, batch_axis='data', model_state_reduction=REDUCTION,
+                       param_sharding=jaxamp.fsdp('data', min_size=1))))):
     out['state'][f'{name}, accumulation {accum}'] = attempt(lambda: difference(
-        counted(accum, model_state_reduction=REDUCTION, **kw), counted(accum)))
-out['state']['undeclared'] = attempt(lambda: counted(1, mesh=mesh, batch_axis='data'))
+        counted(accum, **kw), counted(accum)))
+out['state']['undeclared'] = attempt(lambda: counted(
+    1, sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data')))
 
-fsdp_kw = dict(mesh=mesh, batch_axis='data', param_sharding=jaxamp.fsdp('data', min_size=1))
+fsdp_kw = dict(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data',
+                                              param_sharding=jaxamp.fsdp('data', min_size=1)))
 out['gather'] = {'tied': attempt(lambda: difference(gathered('tied', **fsdp_kw),
                                                      gathered('tied')))}
 
@@ -260,9 +265,11 @@ def linen_gathers(gather):
   # before the step runs), by element count.
   module = LinenLN()
   variables = module.init(jax.random.key(0), jnp.zeros((1, 16)))
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', mesh=mesh,
-                                 batch_axis='data',
-                                 param_sharding=jaxamp.fsdp('data', min_size=1, gather=gather))
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16',
+                                 sharding=jaxamp.ShardingConfig(
+                                     mesh=mesh, batch_axis='data',
+                                     param_sharding=jaxamp.fsdp('data', min_size=1,
+                                                                gather=gather)))
   state = train.init(module, variables)
   text = train.lower(state, batches[0]).as_text()
   size = {'f32': 4, 'bf16': 2}
@@ -297,13 +304,16 @@ lru_reference = lru()  # one device, float32
 out['complex'] = {name: attempt(lambda: difference(lru(policy, **kw), lru_reference))
                   for name, policy, kw in (
     ('replicated, float32, accumulation 2', 'float32',
-     dict(mesh=mesh, batch_axis='data', grad_accum_steps=2)),
+     dict(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data'), grad_accum_steps=2)),
     ('fsdp, float32', 'float32', fsdp_kw),
     ('fsdp whole model, mixed_float16', 'mixed_float16',
-     dict(mesh=mesh, batch_axis='data', half_residuals=False,
-          param_sharding=jaxamp.fsdp('data', min_size=1, gather='model'))),
+     dict(sharding=jaxamp.ShardingConfig(
+              mesh=mesh, batch_axis='data',
+              param_sharding=jaxamp.fsdp('data', min_size=1, gather='model')),
+          memory=jaxamp.MemoryConfig(half_residuals=False))),
     ('replicated, mixed_bfloat16, bfloat16 reduction', 'mixed_bfloat16',
-     dict(mesh=mesh, batch_axis='data', grad_reduce_dtype=jnp.bfloat16)))}
+     dict(sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis='data',
+                                         grad_reduce_dtype=jnp.bfloat16))))}
 
 print('RESULT', json.dumps(out))
 """

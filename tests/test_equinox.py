@@ -115,7 +115,8 @@ def runs(batches):
   """``{policy: (train, final state, history)}``: the LM trained STEPS steps."""
   out = {}
   for policy in ("float32", "mixed_bfloat16"):
-    train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy, donate=False)
+    train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy,
+                                   memory=jaxamp.MemoryConfig(donate=False))
     out[policy] = (train, *run(train, batches))
   return out
 
@@ -219,7 +220,7 @@ def test_a_module_that_casts_to_float32_itself_is_named_in_a_warning(fresh_warni
 
   net = Net(eqx.nn.Linear(4, 4, key=jax.random.key(0)), Float32Head(jnp.ones((4, 2))))
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(jax.vmap(m)(b) ** 2), optax.sgd(0.1),
-                                 policy="mixed_bfloat16", donate=False)
+                                 policy="mixed_bfloat16", memory=jaxamp.MemoryConfig(donate=False))
   state = train.init(net)
   with pytest.warns(RuntimeWarning, match=r"33\.3% of the matmul FLOPs of Net.*'head'"):
     train.step(state, jnp.ones((8, 4)))
@@ -260,7 +261,8 @@ def test_the_step_runs_over_99_percent_of_matmul_flops_in_half_precision(runs, b
 def test_an_injected_inf_is_skipped_exactly_and_resumes_bit_identically(batches, tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**10, growth_interval=1000), optax.adam(1e-2))
-  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16", donate=False)
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16",
+                                 memory=jaxamp.MemoryConfig(donate=False))
   poisoned = dict(batches[2], temp=batches[2]["temp"].copy())
   poisoned["temp"][0, 0, 0] = np.inf
   _, hist_a = run(train, batches[:2] + [poisoned] + batches[3:5])
@@ -291,8 +293,10 @@ def test_accumulation_and_a_mesh_with_fsdp_match_the_plain_step(runs, batches):
   # reduce-scatter on the Equinox params pytree.
   mesh = jax.make_mesh((1,), ("data",))
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy="float32",
-                                 grad_accum_steps=2, mesh=mesh, donate=False,
-                                 param_sharding=jaxamp.fsdp("data", min_size=64))
+                                 grad_accum_steps=2,
+                                 sharding=jaxamp.ShardingConfig(
+                                     mesh=mesh, param_sharding=jaxamp.fsdp("data", min_size=64)),
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state, history = run(train, batches[:3])
   plain = runs["float32"][2][2][1]  # the unaccumulated step's state after 3 steps
   for x, y in zip(leaves(state.params), leaves(plain.params)):

@@ -277,7 +277,8 @@ def test_nested_apply_gets_fp8_state_and_a_rule_keeps_it_out():
       warnings.simplefilter("error")  # no fallback to current scaling for an unnamed layer
       warnings.filterwarnings("ignore", "jaxamp: policy 'mixed_fp8' runs FP8 matmuls, but "
                               "XLA on CPU")
-      train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_fp8", donate=False)
+      train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_fp8",
+                                     memory=jaxamp.MemoryConfig(donate=False))
       state = train.init(Outer(), variables, ids)
       assert set(state.fp8) == fp8
       got = jaxamp.precision_report(train.step_fn, state, ids)

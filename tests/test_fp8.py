@@ -430,13 +430,12 @@ accum_one = {{"x": jnp.asarray(x2[order]), "c": jnp.asarray(c[order])}}
 # gradients over 4 devices: one device dividing by 4 takes the same steps.
 singles = {{1: run(4.0), 2: run(4.0, accum_one, grad_accum_steps=2)}}
 mesh = jax.make_mesh((4,), ("data",))
-fsdp = {{"param_sharding": jaxamp.fsdp("data", min_size=1)}}
-for name, kw in [("replicated", {{}}), ("fsdp", fsdp),
-                 ("replicated-accum", {{"grad_accum_steps": 2}}),
-                 ("fsdp-accum", {{"grad_accum_steps": 2, **fsdp}})]:
-  k = kw.get("grad_accum_steps", 1)
+fsdp = jaxamp.fsdp("data", min_size=1)
+for name, k, param_sharding in [("replicated", 1, None), ("fsdp", 1, fsdp),
+                                ("replicated-accum", 2, None), ("fsdp-accum", 2, fsdp)]:
   single, x = singles[k], np.asarray((batch, accum)[k - 1]["x"])
-  state = run(1.0, (batch, accum)[k - 1], mesh=mesh, **kw)
+  state = run(1.0, (batch, accum)[k - 1], grad_accum_steps=k,
+              sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=param_sharding))
   meta, ref = state.fp8[""], single.fp8[""]
   hist, ref_hist = np.asarray(meta.amax_history), np.asarray(ref.amax_history)
   # input and kernel amaxes: the whole (micro-)batch's, on every device (maxed across

@@ -525,7 +525,7 @@ def test_norms_are_recomputed_only_when_asked():
     return str(jax.make_jaxpr(train.step_fn)(state, batch("lm"))).count("recompute_all")
 
   assert step_remats() == 0
-  assert step_remats(recompute_norms=True) > 0
+  assert step_remats(memory=jaxamp.MemoryConfig(recompute_norms=True)) > 0
   # A wrapped model's request holds for its init only, not for a later plain one.
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b[0]).astype(jnp.float32)),
                                  optax.sgd(0.1), policy="mixed_bfloat16")

@@ -160,7 +160,8 @@ def test_the_train_step_trains_as_plain_reverse_mode_bit_for_bit(api, policy):
 
   def run(half):
     train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy,
-                                   half_residuals=half, compiler_options=EXACT)
+                                   memory=jaxamp.MemoryConfig(half_residuals=half),
+                                   compiler_options=EXACT)
     if api == "nnx":
       state = train.init(_NNXBlock(nnx.Rngs(0)))
     else:

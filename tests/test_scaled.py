@@ -209,7 +209,7 @@ scaled.register(t.Grid, t.GridFormat())
 xs = [np.concatenate([x, x * 0.5, x * 0.25, x * 2.0]) for x in t._batches(2)]  # 20 rows
 c = np.tile(np.random.RandomState(1).randn(5, 3).astype(np.float32), (4, 1))
 out = {{}}
-for name, kw in [('one', {{}}), ('mesh', dict(mesh=jax.make_mesh((4,), ('data',))))]:
+for name, kw in [('one', {{}}), ('mesh', dict(sharding=jaxamp.ShardingConfig(mesh=jax.make_mesh((4,), ('data',)))))]:
   from flax import nnx
   import optax
   model = nnx.Linear(4, 3, use_bias=False, rngs=nnx.Rngs(0))

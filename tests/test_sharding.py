@@ -83,10 +83,13 @@ def test_bad_param_shardings_are_named():
   with pytest.raises(ValueError, match="expected a jax.sharding.PartitionSpec"):
     param_specs({"w": "fsdp"}, params, mesh)
   with pytest.raises(ValueError, match="param_sharding needs a mesh"):
-    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp())
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1),
+                           sharding=jaxamp.ShardingConfig(param_sharding=fsdp()))
   with pytest.raises(ValueError, match="batch_axis 'fsdp' is not an axis of the mesh"):
-    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1), param_sharding=fsdp(),
-                           mesh=jax.make_mesh((1,), ("data",)), batch_axis=("data", "fsdp"))
+    jaxamp.make_train_step(lambda m, b: 0.0, optax.sgd(0.1),
+                           sharding=jaxamp.ShardingConfig(
+                               param_sharding=fsdp(), mesh=jax.make_mesh((1,), ("data",)),
+                               batch_axis=("data", "fsdp")))
 
 
 def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are_seen():
@@ -102,8 +105,9 @@ def test_gather_is_one_of_the_named_places_and_auto_is_per_layer_where_reads_are
                                                                   "auto"]
   mesh = jax.make_mesh((1,), ("fsdp",))
   make = lambda gather: jaxamp.make_train_step(
-      lambda m, b: m(b).sum(), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=1, gather=gather))
+      lambda m, b: m(b).sum(), optax.sgd(0.1),
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=1, gather=gather)))
   x = jnp.ones((2, 8))
   bridged = nnx.bridge.lazy_init(nnx.bridge.ToNNX(nn.Dense(4), rngs=nnx.Rngs(0)), x)
   with pytest.raises(ValueError, match=r"gather='layer' gathers each parameter where a module "
@@ -153,8 +157,9 @@ def test_eval_step_runs_an_embedding_lookup_on_a_mesh_of_explicit_axes(param_sha
   evaluate = lambda m, b: {"loss": loss(m, b), "logits": m(b)}
   variables = _LinenLM().init(jax.random.key(0), ids)
   results = []
-  for kw in ({}, dict(mesh=mesh, batch_axis="data", param_sharding=param_sharding)):
-    train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, **kw)
+  for sharding in (None, jaxamp.ShardingConfig(mesh=mesh, batch_axis="data",
+                                               param_sharding=param_sharding)):
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), eval_fn=evaluate, sharding=sharding)
     state = (train.init(LM(nnx.Rngs(0))) if library == "nnx"
              else train.init(_LinenLM(), variables, ids))
     results.append(train.eval_step(state, ids))
@@ -183,8 +188,9 @@ def test_a_linen_model_reading_its_parameters_raw_gathers_the_whole_model_under_
   variables = TiedHead().init(jax.random.key(0), ids)
   loss = lambda m, b: jnp.mean(m(b).astype(jnp.float32) ** 2)
   make = lambda gather: jaxamp.make_train_step(
-      loss, optax.sgd(0.1), policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=16, gather=gather))
+      loss, optax.sgd(0.1), policy="mixed_bfloat16",
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=16, gather=gather)))
   with pytest.raises(ValueError, match=r"gather='layer': parameter embed/embedding was used "
                      r"as an array \(\.T\) without being read as a parameter \(a Linen module "
                      r"reading self\.variables\['params'\] rather than self\.param"):
@@ -221,8 +227,10 @@ def test_a_loss_using_a_sharded_parameters_raw_array_is_refused_under_per_layer_
     def loss_fn(model, b):
       fit = jnp.mean((model(b["x"]) - b["y"]) ** 2)
       return fit + 1e-2 * sum(jnp.sum(p ** 2) for p in l2(model))
-    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-                                   param_sharding=fsdp(min_size=16, gather=gather))
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1),
+                                   sharding=jaxamp.ShardingConfig(
+                                       mesh=mesh, batch_axis="fsdp",
+                                       param_sharding=fsdp(min_size=16, gather=gather)))
     return train, train.init(nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
 
   raw = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))  # the Variables' raw arrays
@@ -335,8 +343,10 @@ def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes
   for prefetch in (False, True):
     train = jaxamp.make_train_step(
         lambda m, b: jnp.mean(call(m, b).astype(jnp.float32) ** 2), optax.sgd(0.1),
-        policy="mixed_bfloat16", mesh=mesh, batch_axis="fsdp",
-        param_sharding=fsdp(min_size=16, gather="layer", prefetch=prefetch))
+        policy="mixed_bfloat16",
+        sharding=jaxamp.ShardingConfig(
+            mesh=mesh, batch_axis="fsdp",
+            param_sharding=fsdp(min_size=16, gather="layer", prefetch=prefetch)))
     state = (train.init(model, variables, x) if variables is not None
              else train.init(model))
     assert train.plan.prefetch == prefetch
@@ -349,8 +359,9 @@ def test_prefetch_lets_a_modules_gathers_run_while_the_module_before_it_computes
   assert not any(waits[True]), waits
   # On CPU devices the default is off (XLA:CPU overlaps nothing).
   cpu_default = jaxamp.make_train_step(
-      lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1), mesh=mesh, batch_axis="fsdp",
-      param_sharding=fsdp(min_size=16, gather="layer"))
+      lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+      sharding=jaxamp.ShardingConfig(mesh=mesh, batch_axis="fsdp",
+                                     param_sharding=fsdp(min_size=16, gather="layer")))
   cpu_default.init(nnx.Linear(16, 24, rngs=nnx.Rngs(0)))
   assert cpu_default.plan.layer_gather and not cpu_default.plan.prefetch
   with pytest.raises(ValueError, match="prefetch must be True, False or None .*got 'yes'"):
@@ -391,7 +402,7 @@ def test_collectives_reads_hlo_and_stablehlo():
 # --- 8 CPU devices, one process -----------------------------------------------------------
 
 _EIGHT_DEVICES = textwrap.dedent("""
-    import sys
+    import dataclasses, sys
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import linen as nn, nnx
@@ -402,16 +413,17 @@ _EIGHT_DEVICES = textwrap.dedent("""
     P = jax.sharding.PartitionSpec
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((2, 4), ('data', 'fsdp'))
-    FSDP = dict(mesh=mesh, batch_axis=('data', 'fsdp'),
-                param_sharding=jaxamp.fsdp('fsdp', min_size=16))
+    FSDP = jaxamp.ShardingConfig(mesh=mesh, batch_axis=('data', 'fsdp'),
+                                 param_sharding=jaxamp.fsdp('fsdp', min_size=16))
+    with_ = dataclasses.replace  # FSDP with other fields
     batches = make_batches(3, size=32)
     spec = lambda x: x.sharding.spec
     local_bytes = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
     global_bytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
 
-    def make(policy, kw, **more):
+    def make(policy, sharding, **more):
       tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**8), optax.adam(1e-2))
-      return jaxamp.make_train_step(loss_fn, tx, policy=policy, **kw, **more)
+      return jaxamp.make_train_step(loss_fn, tx, policy=policy, sharding=sharding, **more)
 
     # 1. Layout: params and both Adam moments sharded alike; per device a quarter of
     #    everything but the 4-element bias (replicated: below min_size).
@@ -429,9 +441,9 @@ _EIGHT_DEVICES = textwrap.dedent("""
     # 2. Collectives, as lowered: params gathered in the compute dtype (bf16: half the
     #    bytes of float32's), gradients reduce-scattered in grad_reduce_dtype. The whole
     #    model gathered at the step's start: one all-gather per sharded param.
-    def lowered(policy, compile=False, gather='model', **more):
-      kw = dict(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16, gather=gather))
-      t = make(policy, kw, **more)
+    def lowered(policy, compile=False, gather='model', reduce=None):
+      t = make(policy, with_(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16, gather=gather),
+                             grad_reduce_dtype=reduce))
       low = t.lower(init(t, 'nnx', batchnorm=False), batches[0])
       if not compile:
         return collectives(low.as_text())
@@ -442,7 +454,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
 
     f32 = lowered('float32')
     mixed, mixed_compiled = lowered('mixed_bfloat16', compile=True)
-    mixed16 = lowered('mixed_bfloat16', grad_reduce_dtype=jnp.bfloat16)
+    mixed16 = lowered('mixed_bfloat16', reduce=jnp.bfloat16)
     ag32, agbf = pick(f32, 'all-gather'), pick(mixed, 'all-gather')
     assert len(ag32) == len(agbf) == 3 and {{c.dtype for c in ag32}} == {{'f32'}}, f32
     assert {{c.dtype for c in agbf}} == {{'bf16'}}, mixed
@@ -453,7 +465,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     # bias's does not); the same dtypes; one reduce-scatter per param.
     layer32 = lowered('float32', gather='auto')
     layerbf, layerbf_compiled = lowered('mixed_bfloat16', compile=True, gather='auto')
-    layer16 = lowered('mixed_bfloat16', gather='layer', grad_reduce_dtype=jnp.bfloat16)
+    layer16 = lowered('mixed_bfloat16', gather='layer', reduce=jnp.bfloat16)
     # Elements gathered: the second layer's kernel twice; the first layer's second gather
     # is dead code (its input, the batch, needs no gradient), which jax 0.11 drops when
     # lowering and jax 0.10 leaves to XLA.
@@ -483,8 +495,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     evals = {{}}
     for policy, tol in [('float32', 1e-5), ('mixed_bfloat16', 2e-3)]:
       out = {{}}
-      for name, kw in [('single', {{}}), ('fsdp', FSDP)]:
-        train = make(policy, kw)
+      for name, sharding in [('single', None), ('fsdp', FSDP)]:
+        train = make(policy, sharding)
         state = init(train, 'nnx', batchnorm=False)
         for b in batches[:2]:
           state, metrics = train.step(state, b)
@@ -512,8 +524,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     #    Auto axes (jax.make_mesh's default is Explicit, used everywhere else here).
     auto = jax.make_mesh((2, 4), ('data', 'fsdp'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     out = []
-    for kw in ({{}}, dict(FSDP, mesh=auto)):
-      train = make('float32', kw, grad_accum_steps=2)
+    for sharding in (None, with_(FSDP, mesh=auto)):
+      train = make('float32', sharding, grad_accum_steps=2)
       state, _ = train.step(init(train, 'nnx', batchnorm=False), batches[0])
       out.append(leaves(state.params))
     for a, b in zip(*out):
@@ -530,10 +542,11 @@ _EIGHT_DEVICES = textwrap.dedent("""
     tp_mesh = jax.make_mesh((4, 2), ('data', 'model'))
     variables = Mlp().init(jax.random.key(0), jnp.zeros((2, 8)))
     out = []
-    for kw in ({{}}, dict(mesh=tp_mesh, batch_axis='data',
-                         param_sharding=jaxamp.annotated([('mlp', 'model'), ('embed', None)]))):
-      train = make('float32', kw, donate=False)
-      vs = variables if kw else nn.unbox(variables)
+    for sharding in (None, jaxamp.ShardingConfig(
+        mesh=tp_mesh, batch_axis='data',
+        param_sharding=jaxamp.annotated([('mlp', 'model'), ('embed', None)]))):
+      train = make('float32', sharding, memory=jaxamp.MemoryConfig(donate=False))
+      vs = variables if sharding else nn.unbox(variables)
       state = train.init(Mlp(), vs)
       for b in batches[:2]:
         state, metrics = train.step(state, b)
@@ -547,7 +560,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     with nnx.use_eager_sharding(False):
       model = nnx.Linear(8, 4, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
           nnx.initializers.lecun_normal(), ('model', None)))
-    train = make('mixed_bfloat16', dict(mesh=tp_mesh, param_sharding=jaxamp.annotated()))
+    train = make('mixed_bfloat16',
+                 jaxamp.ShardingConfig(mesh=tp_mesh, param_sharding=jaxamp.annotated()))
     state, _ = train.step(train.init(model), batches[0])
     assert spec(state.params['kernel']) == P('model', None)
 
@@ -555,7 +569,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     #    state saved and restored resumes sharded, bit-identically.
     import orbax.checkpoint as ocp
     ckpt = sys.argv[1]
-    train = make('bfloat16', FSDP, donate=False)
+    train = make('bfloat16', FSDP, memory=jaxamp.MemoryConfig(donate=False))
     state = init(train, 'nnx', batchnorm=False)
     state, metrics = train.step(state, batches[0])
     master = state.opt_state.master_params
@@ -602,9 +616,9 @@ _EIGHT_DEVICES = textwrap.dedent("""
 
     peaks, eval_peaks, scan_evals, out = {{}}, {{}}, {{}}, []
     for gather in ('layer', 'model', None):
-      kw = {{}} if gather is None else dict(FSDP, param_sharding=jaxamp.fsdp(
+      sharding = None if gather is None else with_(FSDP, param_sharding=jaxamp.fsdp(
           'fsdp', min_size=16, gather=gather))
-      train = make('float32', kw)
+      train = make('float32', sharding)
       state = train.init(Stack(nnx.Rngs(0)))
       assert train.plan.layer_gather == (gather == 'layer')
       scan_evals[gather] = float(train.eval_step(state, batches[2]))
@@ -643,11 +657,12 @@ _EIGHT_DEVICES = textwrap.dedent("""
         return self.embed.attend(jax.nn.relu(self.lin(self.embed(ids))))[:, :4]
 
     out, tied_evals = [], []
-    for kw in ({{}}, dict(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16))):
-      train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16', **kw)
+    for sharding in (None, with_(FSDP, param_sharding=jaxamp.fsdp('fsdp', min_size=16))):
+      train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_bfloat16',
+                                     sharding=sharding)
       state = train.init(Tied(nnx.Rngs(0)))
       tied_evals.append(float(train.eval_step(state, batches[2])))
-      if kw:
+      if sharding:
         assert train.plan.layer_gather
         found = collectives(train.lower(state, batches[0]).as_text())
         table = [c for c in found if c.op == 'all-gather' and c.bytes == 16 * 64 * 2]
@@ -662,7 +677,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
       np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
     np.testing.assert_allclose(tied_evals[0], tied_evals[1], rtol=1e-5)
     # Compiled, eval gathers after the cast (float16 here: XLA:CPU promotes bfloat16).
-    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_float16', **FSDP)
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.5), policy='mixed_float16', sharding=FSDP)
     state = train.init(Tied(nnx.Rngs(0)))
     found = collectives(train.lower_eval(state, batches[2]).compile().as_text())
     assert {{c.dtype for c in found if c.op == 'all-gather'}} == {{'f16'}}, found
@@ -737,9 +752,9 @@ batches = make_batches(2, size=32)
 x = batches[0]['x']
 
 def sharding(gather):
-  return {{}} if gather is None else dict(
+  return {{}} if gather is None else dict(sharding=jaxamp.ShardingConfig(
       mesh=mesh, batch_axis=('data', 'fsdp'),
-      param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather))
+      param_sharding=jaxamp.fsdp('fsdp', min_size=256, gather=gather)))
 """
 
 _LINEN_MODEL = """

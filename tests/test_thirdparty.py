@@ -197,7 +197,8 @@ def test_gpt2_linen_trains_like_float32_and_skips_exactly(gpt2_variables):
   ids = token_ids()
   runs = {}
   for policy in ("float32", "mixed_float16"):  # float16: dynamic loss scaling, skips
-    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy, donate=False)
+    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy,
+                                   memory=jaxamp.MemoryConfig(donate=False))
     state = train.init(module, gpt2_variables, *gpt2_inputs(ids))
     runs[policy] = (train, *train_losses(train, state, [(ids, jnp.float32(1.0))] * 4))
   (_, _, ref), (train, state, got) = runs["float32"], runs["mixed_float16"]
@@ -230,7 +231,7 @@ def test_gpt2_skip_holds_half_gradients_and_steps_as_the_float32_held_program(
       if patched:
         m.setattr(jaxamp.train.update, "_held", lambda grad, opt_grad, found: (opt_grad, None))
       train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-6), policy="mixed_bfloat16",
-                                     donate=False)
+                                     memory=jaxamp.MemoryConfig(donate=False))
       state = train.init(module, gpt2_variables, *gpt2_inputs(ids))
       batch = (ids, jnp.float32(1.0))
       traced = train.trace(state, batch)
@@ -265,7 +266,8 @@ def test_gpt2_nnx_trains_like_float32():
 
   losses = {}
   for policy in ("float32", "mixed_bfloat16"):
-    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy, donate=False)
+    train = jaxamp.make_train_step(loss_fn, optax.adam(3e-3), policy=policy,
+                                   memory=jaxamp.MemoryConfig(donate=False))
     _, losses[policy] = train_losses(train, train.init(nnx.clone(model)), [ids] * 4)
   np.testing.assert_allclose(losses["mixed_bfloat16"][-1], losses["float32"][-1], rtol=0.02)
   assert losses["mixed_bfloat16"][-1] < losses["mixed_bfloat16"][0] - 0.05
@@ -327,7 +329,7 @@ def test_resnet_trains_like_float32_and_skips_exactly(api, policy):
     # Compiled at XLA's default level: this test mostly runs convolutions, which the
     # suite's fast-compile level (tests/conftest.py) slows down.
     train = jaxamp.make_train_step(loss_fn, optax.sgd(0.01, momentum=0.9), policy=p,
-                                   donate=False,
+                                   memory=jaxamp.MemoryConfig(donate=False),
                                    compiler_options={"xla_backend_optimization_level": 3})
     state = (train.init(module, variables, x[:2], train=False) if api == "linen"
              else train.init(nnx.clone(model)))
@@ -447,7 +449,8 @@ def test_gpt2_clip_reuses_the_step_norm_through_optax_combinators(gpt2_variables
 
   def reductions(tx):
     train = jaxamp.make_train_step(lambda apply, b: gpt2_apply_loss(apply, b), tx,
-                                   policy="mixed_bfloat16", donate=False)
+                                   policy="mixed_bfloat16",
+                                   memory=jaxamp.MemoryConfig(donate=False))
     state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(ids))
     text = train.lower(state, ids).as_text()
     return len(re.findall(r"stablehlo\.reduce\b", text)), len(jax.tree.leaves(state.params))
@@ -475,7 +478,7 @@ def test_gpt2_skip_nonfinite_false_applies_the_step_the_default_skips(gpt2_varia
   bad = (ids, jnp.float32(jnp.inf))
   for skip in (True, False):
     train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16",
-                                   donate=False, skip_nonfinite=skip)
+                                   memory=jaxamp.MemoryConfig(donate=False), skip_nonfinite=skip)
     state = train.init(gpt2_module(), gpt2_variables, *gpt2_inputs(ids))
     conds = [e.primitive.name for e in train.trace(state, bad).jaxpr.eqns].count("cond")
     new, metrics = train.step(state, bad)

@@ -21,7 +21,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     # products, and Adam magnifies differences in near-zero gradients (bf16 spacing 2**-8).
     for policy, atol in [('float32', 1e-5), ('mixed_bfloat16', 2e-3)]:
       out = {{}}
-      for name, kw in [('single', {{}}), ('mesh', dict(mesh=mesh))]:
+      for name, kw in [('single', {{}}), ('mesh', dict(sharding=jaxamp.ShardingConfig(mesh=mesh)))]:
         tx = optax.chain(jaxamp.dynamic_loss_scale(2.0**8), optax.adam(1e-2))
         train = jaxamp.make_train_step(loss_fn, tx, policy=policy, **kw)
         state = init(train, 'nnx', batchnorm=False)
@@ -44,8 +44,9 @@ _MESH_SCRIPT = textwrap.dedent("""
     # A batch committed in another layout (one device, replicated, split on its second
     # axis) is moved to the step's batch sharding, not refused: same step as from host.
     from jax.sharding import NamedSharding, PartitionSpec as P
-    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', mesh=mesh,
-                                   donate=False)
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32',
+                                   sharding=jaxamp.ShardingConfig(mesh=mesh),
+                                   memory=jaxamp.MemoryConfig(donate=False))
     state = init(train, 'nnx', batchnorm=False)
     host = batches[0]
     want = leaves(train.step(state, host)[0].params)
@@ -63,7 +64,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     b = dict(batches[0], y=np.where(batches[0]['y'] == 3, 0, batches[0]['y']))
     b['y'][5] = 3  # one device's first micro-batch
     auxes = []
-    for kw in ({{}}, dict(mesh=mesh, grad_accum_steps=2)):
+    for kw in ({{}}, dict(sharding=jaxamp.ShardingConfig(mesh=mesh), grad_accum_steps=2)):
       train = jaxamp.make_train_step(counting_loss, optax.sgd(0.0), policy='float32',
                                      has_aux=True, **kw)
       _, m = train.step(init(train, 'nnx', batchnorm=False), b)
@@ -83,8 +84,9 @@ _MESH_SCRIPT = textwrap.dedent("""
         return self.l2(jax.nn.relu(self.bn(self.l1(x))))
     b = dict(batches[0], x=batches[0]['x'] + np.repeat(np.arange(8.0), 4)[:, None])
     got = {{}}
-    for name, kw, axis in [('single', {{}}, None), ('synced', dict(mesh=mesh), 'data'),
-                           ('local', dict(mesh=mesh), None)]:
+    on_mesh = dict(sharding=jaxamp.ShardingConfig(mesh=mesh))
+    for name, kw, axis in [('single', {{}}, None), ('synced', on_mesh, 'data'),
+                           ('local', on_mesh, None)]:
       train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', **kw)
       state, _ = train.step(train.init(SyncNet(axis)), b)
       got[name] = leaves(state.params) + leaves(state.model_state)
@@ -102,14 +104,15 @@ _MESH_SCRIPT = textwrap.dedent("""
       def __call__(self, x):
         return self.drop(x) @ self.w[...]
     train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b['x'])), optax.sgd(1.0),
-                                   policy='float32', mesh=mesh)
+                                   policy='float32', sharding=jaxamp.ShardingConfig(mesh=mesh))
     state, _ = train.step(train.init(Drop()), {{'x': np.ones((8, 16), np.float32)}})
     w = np.asarray(state.params['w'][...])
     # the mean of 8 devices' masks/keep: shared masks could only give 0 or 2
     assert set(np.round(-w, 4).tolist()) - {{0.0, 2.0}}, w
 
     # gradients averaged across devices in bfloat16
-    for name, kw in [('single', {{}}), ('mesh', dict(mesh=mesh, grad_reduce_dtype=jnp.bfloat16))]:
+    bf16_mean = jaxamp.ShardingConfig(mesh=mesh, grad_reduce_dtype=jnp.bfloat16)
+    for name, kw in [('single', {{}}), ('mesh', dict(sharding=bf16_mean))]:
       train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy='float32', **kw)
       state = init(train, 'nnx', batchnorm=False)
       if name == 'mesh':

@@ -58,7 +58,8 @@ def test_linen_streams_other_than_dropout_are_drawn_per_step_and_micro_batch():
   module, x = DropPath(masks.append), make_batches(1, size=16)[0]["x"]
   variables = module.init(jax.random.key(0), x, train=False)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.0),
-                                 policy="float32", grad_accum_steps=2, donate=False,
+                                 policy="float32", grad_accum_steps=2,
+                                 memory=jaxamp.MemoryConfig(donate=False),
                                  rng_streams=("dropout", "droppath"))
   state = train.init(module, variables, x, train=False)
 
@@ -125,7 +126,8 @@ def test_grad_accumulation_matches_one_big_batch():
 def test_grad_accumulation_skips_whole_step_when_one_micro_batch_overflows():
   train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.dynamic_loss_scale(4.0),
                                                       optax.sgd(0.1)),
-                                 policy="float32", grad_accum_steps=4, donate=False)
+                                 policy="float32", grad_accum_steps=4,
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, "nnx", batchnorm=False)
   batch = make_batches(1, size=32)[0]
   batch["x"][30, 3] = np.nan  # only the last micro-batch sees it
@@ -258,7 +260,7 @@ def passenger_loss(seen):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", half_residuals=False),
+    dict(policy="mixed_bfloat16"), dict(policy="mixed_bfloat16", memory=jaxamp.MemoryConfig(half_residuals=False)),
     dict(policy="mixed_bfloat16", grad_accum_steps=2)], ids=str)
 def test_keys_ints_and_bools_in_the_batch_reach_loss_fn_unchanged(kw):
   """A typed PRNG key in the batch crashed the default mixed step (the half_residuals
@@ -329,7 +331,8 @@ def test_o1_computes_the_loss_against_float32_targets_in_float32():
 def test_grad_accumulation_keeps_half_gradient_dtypes():
   # bfloat16 params without master weights: Adam's moments are bfloat16 and must stay so.
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="bfloat16",
-                                 master_weights=False, grad_accum_steps=2)
+                                 memory=jaxamp.MemoryConfig(master_weights=False),
+                                 grad_accum_steps=2)
   state = init(train, "nnx", batchnorm=False)
   before = [x.dtype for x in jax.tree.leaves(state.opt_state)]
   for b in make_batches(2):

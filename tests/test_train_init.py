@@ -189,7 +189,8 @@ def test_a_parameter_past_float16s_range_is_refused_at_init_not_stored_as_inf():
 ])
 def test_opt_levels_end_to_end(api, level, param_dtype, norm_dtype, scale, half_share,
                                master):
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level=level, donate=False)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.05), opt_level=level,
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, api, dropout=0.1)
   batch = make_batches(1)[0]
   report = jaxamp.precision_report(train.step, state, batch)  # lowered only: fwd + bwd

@@ -17,7 +17,8 @@ def _skip_warnings(record):
 
 
 def test_a_streak_of_skipped_steps_warns_once_per_streak():
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False, warn_skipped_steps=2)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), memory=jaxamp.MemoryConfig(donate=False),
+                                 debug=jaxamp.DebugConfig(warn_skipped_steps=2))
   state = init(train, "nnx", batchnorm=False)
   good = make_batches(1)[0]
   bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
@@ -31,7 +32,7 @@ def test_a_streak_of_skipped_steps_warns_once_per_streak():
     (warning,) = _skip_warnings(record)
   assert warning.category is RuntimeWarning
   assert "last 2 train steps" in str(warning.message)
-  assert "debug_nonfinite=True" in str(warning.message)
+  assert "DebugConfig(nonfinite_grads=True)" in str(warning.message)
   assert int(metrics["skipped_steps"]) == 4 + 8
   jax.jit(train.step)(state, bad)  # inside a user's jit, metrics are tracers: not read
 
@@ -46,7 +47,8 @@ def test_the_skip_warning_names_float16_updates_when_the_gradients_were_finite()
   gradients give 0/0 updates, every step is skipped for its parameters, not its
   gradients, and the warning says so."""
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="float16",
-                                 master_weights=False, warn_skipped_steps=2)
+                                 memory=jaxamp.MemoryConfig(master_weights=False),
+                                 debug=jaxamp.DebugConfig(warn_skipped_steps=2))
   state = init(train, "nnx", batchnorm=False)
   batch = make_batches(1)[0]
   with warnings.catch_warnings(record=True) as record:
@@ -56,14 +58,14 @@ def test_the_skip_warning_names_float16_updates_when_the_gradients_were_finite()
     (warning,) = _skip_warnings(record)
   assert bool(metrics["grads_finite"]) and not bool(metrics["params_finite"])
   assert "gradients were finite" in str(warning.message)
-  assert "master_weights=True" in str(warning.message)
+  assert "MemoryConfig(master_weights=True)" in str(warning.message)
 
 
 def test_the_skip_warning_can_be_turned_off():
   good = make_batches(1)[0]
   bad = {"x": np.full_like(good["x"], np.nan), "y": good["y"]}
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
-                                 warn_skipped_steps=None)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), memory=jaxamp.MemoryConfig(donate=False),
+                                 debug=jaxamp.DebugConfig(warn_skipped_steps=None))
   state = init(train, "nnx", batchnorm=False)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
@@ -73,7 +75,8 @@ def test_the_skip_warning_can_be_turned_off():
   assert int(metrics["skipped_steps"]) == 400
   for wrong in (0, -3, True, 2.5, "100"):
     with pytest.raises(ValueError, match="warn_skipped_steps must be a positive int"):
-      jaxamp.make_train_step(loss_fn, optax.sgd(0.1), warn_skipped_steps=wrong)
+      jaxamp.make_train_step(loss_fn, optax.sgd(0.1),
+                             debug=jaxamp.DebugConfig(warn_skipped_steps=wrong))
 
 
 @pytest.mark.parametrize("api,accum", [("nnx", 1), ("linen", 2)])
@@ -91,7 +94,7 @@ def test_full_garbage_collections_wait_while_a_step_is_traced_and_resume_after(a
   found = gc.get_threshold()
   gc.set_threshold(found[0], found[1], 7)  # a user's own setting, put back after
   try:
-    train = jaxamp.make_train_step(loss, optax.sgd(0.1), donate=False,
+    train = jaxamp.make_train_step(loss, optax.sgd(0.1), memory=jaxamp.MemoryConfig(donate=False),
                                    grad_accum_steps=accum)
     state = init(train, api, batchnorm=False)
     batch, = make_batches(1)

@@ -16,8 +16,9 @@ from train_helpers import assert_trees_equal, init, loss_fn, make_batches
 def test_a_float16_gradient_mean_without_loss_scale_warns():
   mesh = jax.make_mesh((1,), ("data",))
   for policy, warns in [("float32", True), ("mixed_bfloat16", True), ("mixed_float16", False)]:
-    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=policy, mesh=mesh,
-                                   grad_reduce_dtype=jnp.float16)
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy=policy,
+                                   sharding=jaxamp.ShardingConfig(mesh=mesh,
+                                                                  grad_reduce_dtype=jnp.float16))
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
       init(train, "nnx", batchnorm=False)
@@ -119,7 +120,8 @@ def test_a_skipped_step_traces_only_the_loss_scale_rule(chain):
         "inject": optax.inject_hyperparams(
             lambda learning_rate: optax.chain(ls, _counting(optax.sgd(learning_rate), calls)))(
                 learning_rate=0.1)}[chain]
-  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16", donate=False)
+  train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_float16",
+                                 memory=jaxamp.MemoryConfig(donate=False))
   before = init(train, "nnx", batchnorm=False)
   calls.clear()
   good, = make_batches(1)

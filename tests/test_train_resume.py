@@ -91,7 +91,8 @@ def test_a_float16_state_resumes_correctly_under_a_bfloat16_step(skip_nonfinite)
   state, _ = f16.step(init(f16, "nnx", batchnorm=False), batch)
   assert float(jaxamp.get_loss_scale(state.opt_state)) == 2.0**15
   bf16 = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
-                                donate=False, skip_nonfinite=skip_nonfinite)
+                                memory=jaxamp.MemoryConfig(donate=False),
+                                skip_nonfinite=skip_nonfinite)
   init(bf16, "nnx", batchnorm=False)
   with pytest.warns(RuntimeWarning, match="starts fresh at 1"):  # the scale bf16 uses
     resumed, metrics = bf16.step(state, batch)
@@ -164,7 +165,7 @@ def test_a_state_from_another_step_is_refused():
   adam = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
   sgd = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16")
   half = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float16",
-                                master_weights=False)
+                                memory=jaxamp.MemoryConfig(master_weights=False))
   batch = make_batches(1)[0]
   a, s, h = (init(t, "nnx", batchnorm=False) for t in (adam, sgd, half))
   with pytest.raises(ValueError, match="opt_state has another structure.*another optimizer"):

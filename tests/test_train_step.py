@@ -87,7 +87,8 @@ def test_aux_metrics_and_eval_step():
     return model(batch["x"])
 
   train = jaxamp.make_train_step(loss_with_aux, optax.sgd(0.1), policy="mixed_bfloat16",
-                                 has_aux=True, eval_fn=eval_fn, donate=False)
+                                 has_aux=True, eval_fn=eval_fn,
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, "nnx", dropout=0.5)
   batch = make_batches(1)[0]
   state, metrics = train.step(state, batch)
@@ -106,7 +107,7 @@ def test_bad_arguments_are_named():
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=0)
   mesh = jax.make_mesh((1,), ("batch",))
   with pytest.raises(ValueError, match="batch_axis 'data' is not an axis of the mesh"):
-    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh)
+    jaxamp.make_train_step(loss_fn, optax.sgd(0.1), sharding=jaxamp.ShardingConfig(mesh=mesh))
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1))
   with pytest.raises(RuntimeError, match="init"):
     train.step(None, None)
@@ -126,12 +127,13 @@ def test_float16_on_cpu_warns_once(monkeypatch, fresh_warnings):
 def test_grad_reduce_dtype_must_be_floating():
   for bad in (jnp.int32, "nope"):
     with pytest.raises(ValueError, match="grad_reduce_dtype must be a floating dtype"):
-      jaxamp.make_train_step(loss_fn, optax.sgd(0.1), grad_reduce_dtype=bad)
+      jaxamp.make_train_step(loss_fn, optax.sgd(0.1),
+                             sharding=jaxamp.ShardingConfig(grad_reduce_dtype=bad))
   # None, the default: float32, or float64 for float64 gradients.
-  options = jaxamp.make_train_step(loss_fn, optax.sgd(0.1)).options
-  assert options.grad_reduce_dtype is None
-  assert options.reduce_dtype(jnp.bfloat16) == jnp.float32
-  assert options.reduce_dtype(jnp.float64) == jnp.float64
+  sharding = jaxamp.make_train_step(loss_fn, optax.sgd(0.1)).options.sharding
+  assert sharding.grad_reduce_dtype is None
+  assert sharding.reduce_dtype(jnp.bfloat16) == jnp.float32
+  assert sharding.reduce_dtype(jnp.float64) == jnp.float64
 
 
 @pytest.mark.slow
@@ -145,7 +147,7 @@ def test_step_fn_under_the_users_jit_and_scan_steps_as_train_step(api):
   eval_fn = (loss_fn if api == "nnx"
              else lambda model, batch: xent(model(batch["x"], train=False), batch["y"]))
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy="mixed_float16",
-                                 donate=False, eval_fn=eval_fn)
+                                 memory=jaxamp.MemoryConfig(donate=False), eval_fn=eval_fn)
   with pytest.raises(RuntimeError, match="init"):
     train.step_fn  # pylint: disable=pointless-statement
   state = init(train, api, dropout=0.1)
@@ -215,7 +217,7 @@ def test_the_step_runs_under_the_rules_in_force_at_init_wherever_it_is_called(ap
   batch = make_batches(1)[0]
   with jaxamp.policy_rules({head: "float32"}):
     train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
-                                   donate=False)
+                                   memory=jaxamp.MemoryConfig(donate=False))
     state = init(train, api, batchnorm=False)
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
   texts = {"step": train.lower(state, batch).as_text(),
@@ -233,12 +235,12 @@ def test_compiler_options_reach_the_steps_program():
   """make_train_step(..., compiler_options=) is jax.jit's: XLA reads them (an option it
   does not know is refused when the step compiles), for the step and the eval step."""
   batch = make_batches(1)[0]
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), memory=jaxamp.MemoryConfig(donate=False),
                                  compiler_options={"xla_backend_optimization_level": 1})
   state = init(train, "nnx", batchnorm=False)
   state, metrics = train.step(state, batch)
   assert bool(metrics["grads_finite"])
-  bad = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), donate=False,
+  bad = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), memory=jaxamp.MemoryConfig(donate=False),
                                compiler_options={"xla_no_such_option": True})
   state = init(bad, "nnx", batchnorm=False)
   for run in (bad.step, bad.eval_step):

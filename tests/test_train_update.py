@@ -29,7 +29,8 @@ def test_injected_inf_matches_control_run_bit_for_bit(api, scale):
     if dynamic:
       tx = optax.chain(jaxamp.dynamic_loss_scale(initial_scale=2.0**10,
                                                  growth_interval=1000), tx)
-    train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16", donate=False)
+    train = jaxamp.make_train_step(loss_fn, tx, policy="mixed_bfloat16",
+                                   memory=jaxamp.MemoryConfig(donate=False))
     return stepped(train, init(train, api, dropout=0.2), batches)
 
   batches = make_batches(5)
@@ -60,7 +61,8 @@ def test_gradients_whose_norm_leaves_float32_skip_the_step():
   def loss(model, batch):
     return jnp.sum(model(batch["x"])) * batch["factor"]
 
-  train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy="float32", donate=False)
+  train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy="float32",
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
   x = jnp.ones((8, 4))
   huge, metrics = train.step(state, {"x": x, "factor": jnp.float32(1e19)})
@@ -83,7 +85,8 @@ def test_skip_nonfinite_false_applies_every_update_like_optax(policy):
   # match a hand-written optax step, a NaN step reaches the params, the metrics say so.
   good, bad = make_batches(3), make_batches(1)[0]
   bad["x"][0, 0] = np.nan
-  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy, donate=False,
+  train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy=policy,
+                                 memory=jaxamp.MemoryConfig(donate=False),
                                  skip_nonfinite=False)
   state = init(train, "nnx", batchnorm=False)
   assert not train.skips_nonfinite
@@ -126,7 +129,7 @@ def test_skipping_changes_no_finite_step():
   runs = {}
   for skip in (False, True):
     train = jaxamp.make_train_step(loss_fn, optax.adam(1e-2), policy="mixed_bfloat16",
-                                   donate=False, skip_nonfinite=skip)
+                                   memory=jaxamp.MemoryConfig(donate=False), skip_nonfinite=skip)
     state = init(train, "nnx", batchnorm=False)
     for batch in good:
       state, _ = train.step(state, batch)
@@ -169,7 +172,7 @@ def test_grad_norm_is_norm_of_unscaled_gradients():
   batch = make_batches(1)[0]
   train = jaxamp.make_train_step(loss_fn, optax.chain(jaxamp.static_loss_scale(256.0),
                                                       optax.sgd(0.0)),
-                                 policy="float32", donate=False)
+                                 policy="float32", memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, "nnx", batchnorm=False)
   model = train.model(state)
   grads = nnx.grad(lambda m: loss_fn(m, batch))(model)
@@ -228,7 +231,7 @@ def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
         m.setattr(jaxamp.train.update, "_held", lambda grad, opt_grad, found: (opt_grad, None))
       # SGD by a power of two: each update is its gradient's bits, however XLA fuses it.
       train = jaxamp.make_train_step(loss_fn, optax.sgd(2.0**-4), policy=policy,
-                                     donate=False)
+                                     memory=jaxamp.MemoryConfig(donate=False))
       if api == "nnx":
         state = train.init(NNXTied(nnx.Rngs(0)))
       else:
@@ -264,7 +267,8 @@ def test_the_skip_holds_gradients_as_narrow_as_computed_and_updates_bit_for_bit(
 def test_master_weights_for_half_params():
   # A step of 1e-4 on weights near 1 vanishes in bfloat16 (spacing 2**-7) unless float32
   # master weights accumulate it.
-  train = jaxamp.make_train_step(loss_fn, optax.sgd(1e-4), policy="bfloat16", donate=False)
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(1e-4), policy="bfloat16",
+                                 memory=jaxamp.MemoryConfig(donate=False))
   state = init(train, "nnx", batchnorm=False)
   assert train.master_weights
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
@@ -288,7 +292,7 @@ def test_debug_nonfinite_names_the_overflowing_parameter():
     return jnp.mean(model.a(batch["x"])) + jnp.mean(model.b(batch["x2"]))
 
   train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="float32",
-                                 debug_nonfinite=True)
+                                 debug=jaxamp.DebugConfig(nonfinite_grads=True))
   state = train.init(TwoHeads(nnx.Rngs(0)))
   x = np.ones((4, 8), np.float32)
   x2 = x.copy()
@@ -317,7 +321,7 @@ def test_accumulated_gradients_reach_master_weights_unrounded():
 def test_master_weights_of_float32_params_are_copies():
   # The state must not hold one buffer twice, or the donating step fails.
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="mixed_bfloat16",
-                                 master_weights=True)
+                                 memory=jaxamp.MemoryConfig(master_weights=True))
   state = init(train, "nnx")
   for _ in range(2):
     state, metrics = train.step(state, make_batches(1)[0])
@@ -334,8 +338,9 @@ def test_a_float16_parameter_that_would_overflow_skips_the_step(master_weights):
   # Small activations (w/64 fits float16); the gradient of the weight is -c/64.
   train = jaxamp.make_train_step(lambda m, b: -jnp.mean(m(b["x"]) * b["c"]),
                                  optax.chain(jaxamp.no_loss_scale(), optax.sgd(1000.0)),
-                                 policy="float16", master_weights=master_weights,
-                                 donate=False)
+                                 policy="float16",
+                                 memory=jaxamp.MemoryConfig(master_weights=master_weights,
+                                                            donate=False))
   state = train.init(model)
   assert state.params["kernel"].dtype == jnp.float16
   x = jnp.full((4, 1), 1 / 64)

@@ -21,8 +21,8 @@ Example:
   (dtype('float32'), dtype('float32'), 0)
 
 The package is the step in stages (``docs/architecture.md`` has the map):
-``state`` (the train state and its checks), ``plan`` (options and what ``init``
-learns), ``init`` (the model read through its library, :mod:`jaxamp.adapters`),
+``state`` (the train state and its checks), ``config`` (the grouped options:
+sharding, memory, debugging), ``plan`` (options and what ``init`` learns), ``init`` (the model read through its library, :mod:`jaxamp.adapters`),
 ``optimizer`` (loss scale and skip),
 ``gradients`` (loss, gradients, accumulation), ``devices`` (mesh reduction and FSDP),
 ``gather`` (where FSDP gathers), ``update`` (the exact skip and the apply), ``step``
@@ -30,7 +30,9 @@ learns), ``init`` (the model read through its library, :mod:`jaxamp.adapters`),
 ``train_step`` (the holder).
 """
 
+from jaxamp.train.config import DebugConfig, MemoryConfig, ShardingConfig
 from jaxamp.train.state import MasterWeightsState, TrainState, abstract_state
 from jaxamp.train.train_step import TrainStep, make_train_step
 
-__all__ = ["TrainState", "MasterWeightsState", "TrainStep", "make_train_step", "abstract_state"]
+__all__ = ["DebugConfig", "MemoryConfig", "ShardingConfig", "TrainState", "MasterWeightsState",
+           "TrainStep", "make_train_step", "abstract_state"]

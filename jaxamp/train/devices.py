@@ -54,7 +54,7 @@ def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.
 
 def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                          rng: jax.Array) -> Grads:
-  axes = plan.options.batch_axes
+  axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
 
   def local(params, model_state, batch, rng, scale, scaled):
@@ -63,7 +63,7 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
     changed: set[int] = set()
     grads, loss, aux, new_state, new_scaled = loss_and_grads(
         plan, params, keys, batch, rng, scale / n, scaled, axes=axes, changed=changed)
-    reduced = lambda g: plan.options.reduce_dtype(g.dtype)
+    reduced = lambda g: plan.options.sharding.reduce_dtype(g.dtype)
     grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduced(g)), axes).astype(g.dtype),
                          grads)
     return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
@@ -78,7 +78,7 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
 
 def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> Grads:
-  axes = plan.options.batch_axes
+  axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
   out_dtypes = [at_least_float32(p.dtype) if plan.master_weights else p.dtype
                 for p in jax.tree.leaves(state.params)]
@@ -124,7 +124,7 @@ def _reduce(plan: Plan, loss: jax.Array, aux: Any, model_state: Any, old_state: 
             changed: set[int]) -> tuple[Any, Any, Any]:
   """Inside shard_map: the loss averaged, the aux combined and each model-state leaf
   combined over the batch axes by its reduction (``Plan.state_reductions``)."""
-  axes = plan.options.batch_axes
+  axes = plan.options.sharding.batch_axes
   return (jax.lax.pmean(loss, axes), combine_aux(aux, over_devices=axes),
           _combine_state(plan, model_state, old_state, changed))
 
@@ -133,7 +133,7 @@ def _combine_state(plan: Plan, new_state: Any, old_state: Any, changed: set[int]
   """Each device's model state after its part of the batch, combined into the state one
   device holding the whole batch would have; a leaf the step changed whose combination
   is not known is refused, naming it and the option that declares it."""
-  axes = plan.options.batch_axes
+  axes = plan.options.sharding.batch_axes
   leaves, treedef = jax.tree.flatten(new_state)
   unknown = [name for i, (name, kind) in enumerate(plan.state_reductions)
              if kind is None and i in changed]
@@ -142,7 +142,7 @@ def _combine_state(plan: Plan, new_state: Any, old_state: Any, changed: set[int]
         f"Under a mesh each device updates the model state on its part of the batch, and "
         f"jaxamp does not know how to combine {', '.join(sorted(set(unknown)))} (only "
         "BatchNorm statistics, averaged, and RNG streams are known). Say how in "
-        "make_train_step(..., model_state_reduction={'<path pattern>': kind}), kind one "
+        "jaxamp.ShardingConfig(model_state_reduction={'<path pattern>': kind}), kind one "
         "of 'mean' (a statistic averaged over the batch), 'sum' (the devices' changes "
         "added: a count of examples, a running sum), 'max' or 'min' (a running maximum "
         "or minimum), 'same' (every device makes the same change: a count of calls).")

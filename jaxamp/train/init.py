@@ -110,7 +110,7 @@ def _state_reductions(options: Options, library: Library, model_state: Any
   """``(path, reduction)`` per model-state array leaf: the user's
   ``model_state_reduction`` pattern that matches its path first, else the known kinds'
   (BatchNorm statistics averaged, RNG streams the same on every device), else None."""
-  declared = options.model_state_reduction or {}
+  declared = options.sharding.model_state_reduction or {}
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(
       model_state, is_leaf=library.is_node)[0]:
@@ -130,7 +130,7 @@ def _gathers_per_layer(options: Options, library: Library, model: Any) -> bool:
   ``'layer'``, or ``'auto'`` where the model supports it): models whose parameter reads
   jaxamp sees (the library says why not where it cannot: NNX models holding bridged
   Linen modules, which read their parameters as a whole)."""
-  gather = sharding_lib.gather_of(options.param_sharding)
+  gather = sharding_lib.gather_of(options.sharding.param_sharding)
   why = library.layer_gather_refusal(model)
   if gather == "layer" and why is not None:
     raise ValueError(f"gather='layer' gathers each parameter where a module reads it, but "
@@ -165,25 +165,26 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
   library = _library(model, variables)
   model, recompute = unwrap(options, library, model)
   # Each init decides afresh: a wrapped model's request does not outlive it.
-  recompute = options.recompute_norms or recompute
+  recompute = options.memory.recompute_norms or recompute
   with level_rules(options):
     split = library.split(model, options.policy, variables=variables,
                           example_args=example_args, example_kwargs=example_kwargs,
                           recompute_norms=recompute, rng_streams=options.rng_streams)
-  holders = library.holders(model) if options.param_sharding is not None else {}
+  holders = library.holders(model) if options.sharding.param_sharding is not None else {}
   name = type(model).__name__
   rows = split.rows
   if rows is not None:
     warn_unmatched_path_rules(name, [row[0] for row in rows], stacklevel=4)
   check_trainable(split.params, name)
   params, model_state, specs, gather_dtypes = split.params, split.model_state, None, None
-  if options.param_sharding is not None:
+  sharding = options.sharding
+  if sharding.param_sharding is not None:
     # Read the specs while Linen's partitioning boxes are still on, then drop them.
-    specs = sharding_lib.param_specs(options.param_sharding, params, options.mesh)
+    specs = sharding_lib.param_specs(sharding.param_sharding, params, sharding.mesh)
     params, model_state = _flax_compat.unbox((params, model_state))
   params = _stored(options, library, params, rows, name)
   reductions = (_state_reductions(options, library, model_state)
-                if options.mesh is not None else None)
+                if options.sharding.mesh is not None else None)
   # The Variables' types and metadata are read: the state holds plain trees.
   params, model_state, specs = map(library.plain, (params, model_state, specs))
   shards, layer_gather = None, False
@@ -191,11 +192,11 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     gather_dtypes = _gather_dtypes(params, rows, holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
-    shards = tuple(Shard.of(s, np.shape(x), options.mesh, options.batch_axes,
-                            options.reduce_dtype(x.dtype))
+    shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
+                            sharding.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
     layer_gather = _gathers_per_layer(options, library, model)
-  master_weights = options.master_weights
+  master_weights = options.memory.master_weights
   if master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                          for x in jax.tree.leaves(params))
@@ -219,7 +220,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                      scaled=scaled_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
               master_weights=bool(master_weights), recompute_norms=recompute,
-              half_residuals=options.half_residuals and _computes_in_half(options, rows),
+              half_residuals=options.memory.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
               scaled_recipes=(fp8_lib.recipes_of(split.fp8_rows)
                               if split.fp8_rows is not None else {}),

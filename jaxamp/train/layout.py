@@ -168,7 +168,7 @@ def laid_out(plan: Plan, batch: Any) -> Any:
     names = ", ".join(f"batch{s}" for s in scalars[:4])
     raise ValueError(
         f"{names} {'is' if len(scalars) == 1 else 'are'} 0-d, but under a mesh the step "
-        f"splits every batch leaf over the batch axes {plan.options.batch_axes} along its "
+        f"splits every batch leaf over the batch axes {plan.options.sharding.batch_axes} along its "
         "first dimension. Give each one value per example (jnp.full((batch_size,), "
         "value)), or close over it in loss_fn.")
   data = plan.batch_sharding()
@@ -194,7 +194,7 @@ def _put(mesh: jax.sharding.Mesh, axes: Any) -> Any:
 def put_batch(plan: Plan, batch: Any) -> Any:
   """Inside the step: the batch constrained to its sharding over the batch axes."""
   data = plan.batch_sharding()
-  put = _put(plan.mesh, plan.options.batch_axes)
+  put = _put(plan.mesh, plan.options.sharding.batch_axes)
   return jax.tree.map(lambda x: put(x, data), batch)
 
 

@@ -95,15 +95,17 @@ class SkipStreaks:
                "float16 parameters inf or NaN, so the step was skipped. The optimizer "
                "computes in float16 there: Adam's default eps=1e-8 is 0 in float16 (a zero "
                "gradient gives 0/0), and its moments overflow. Keep float32 master "
-               "weights (make_train_step(..., master_weights=True)) or give Adam "
-               "eps=1e-4 or more.")
+               "weights (make_train_step(..., memory=jaxamp.MemoryConfig("
+               "master_weights=True))) or give Adam eps=1e-4 or more.")
       else:
         why = (f"their gradients were not finite (inf or NaN), so the parameters did not "
                f"change (loss scale {scale:g}). Find the overflowing parameters with "
-               "make_train_step(..., debug_nonfinite=True) (metrics['nonfinite_grads']). "
+               "make_train_step(..., debug=jaxamp.DebugConfig(nonfinite_grads=True)) "
+               "(metrics['nonfinite_grads']). "
                "Common causes: NaN in the inputs or the loss, a learning rate that "
                "diverged, or an op that overflows in float16 whatever the scale "
                "(jax.nn.gelu's backward pass; see the README).")
       warnings.warn(
           f"jaxamp: the last {self.window} train steps were all skipped: {why} "
-          "warn_skipped_steps=None turns this warning off.", RuntimeWarning, stacklevel=3)
+          "DebugConfig(warn_skipped_steps=None) turns this warning off.", RuntimeWarning,
+          stacklevel=3)

@@ -47,8 +47,8 @@ def build(options: Options, params: Any) -> Built:
     # state's other scale is reset to 1 on entry: jaxamp.train.resume).
     unit_scale = _ls.is_no_loss_scale(scale)
     tx = optax.chain(scale, tx)
-  if (unit_scale and options.mesh is not None
-      and options.grad_reduce_dtype == np.dtype(jnp.float16)):
+  if (unit_scale and options.sharding.mesh is not None
+      and options.sharding.grad_reduce_dtype == np.dtype(jnp.float16)):
     warnings.warn(
         "jaxamp: grad_reduce_dtype=float16 with no loss scale (policy "
         f"{options.policy.name!r}): gradients below float16's smallest value (6e-8) are "

@@ -20,74 +20,48 @@ import optax
 
 from jaxamp.adapters import Adapter
 from jaxamp import sharding as sharding_lib
-from jaxamp.casting import at_least_float32, is_floating_dtype, real_or_complex
 from jaxamp.policy import Policy
 from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
 from jaxamp import gather as gather_lib
+from jaxamp.train.config import STATE_REDUCTIONS, DebugConfig, MemoryConfig, ShardingConfig
 from jaxamp.train.loss import check_signature
-
-STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
-"""How a model-state leaf updated on each device is combined under a mesh: averaged
-(BatchNorm statistics), the devices' changes summed (a count of examples, a running
-sum), the maximum or minimum (a running max), or any device's (all agree: a count of
-calls)."""
 
 __all__ = ["Options", "OptionsView", "Plan", "STATE_REDUCTIONS", "level_rules", "rules_in_force", "autocast_under_level"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """``make_train_step``'s arguments, checked (see there for each one's meaning)."""
+  """``make_train_step``'s arguments, checked (see there for each one's meaning); the
+  grouped ones as their configs (``options.sharding.mesh``, ``options.memory.donate``,
+  ``options.debug.nonfinite_grads``), which check their own fields."""
 
   loss_fn: Callable[..., Any]
   optimizer: optax.GradientTransformation
   policy: Policy
   has_aux: bool = False
   grad_accum_steps: int = 1
-  mesh: Any = None
-  batch_axis: Any = "data"
-  donate: bool = True
-  grad_reduce_dtype: Any = None
-  master_weights: bool | None = None
   float32_outputs: bool = True
-  debug_nonfinite: bool = False
   eval_fn: Callable[..., Any] | None = None
   seed: int = 0
   level: Any = None
-  recompute_norms: bool = False
-  half_residuals: bool = True
-  param_sharding: Any = None
-  warn_skipped_steps: int | None = 100
   skip_nonfinite: bool = True
-  model_state_reduction: Mapping[str, str] | None = None
   compiler_options: Mapping[str, Any] | None = None
   rng_streams: tuple[str, ...] = ("dropout",)
+  sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+  memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+  debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
   def __post_init__(self):
+    for name, cls in (("sharding", ShardingConfig), ("memory", MemoryConfig),
+                      ("debug", DebugConfig)):
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"{name} must be a jaxamp.{cls.__name__} (or None: the defaults), "
+                         f"got {getattr(self, name)!r}.")
     if self.grad_accum_steps < 1:
       raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}.")
-    if self.mesh is not None:
-      for name in self.batch_axes:
-        if name not in self.mesh.axis_names:
-          raise ValueError(f"batch_axis {name!r} is not an axis of the mesh; its axes are "
-                           f"{tuple(self.mesh.axis_names)}.")
-    if self.param_sharding is not None and self.mesh is None:
-      raise ValueError("param_sharding needs a mesh: pass mesh=jax.make_mesh(...) with the "
-                       "axes the parameters are sharded over (e.g. jaxamp.fsdp('fsdp') "
-                       "needs an axis named 'fsdp').")
-    warn = self.warn_skipped_steps
-    if warn is not None and (isinstance(warn, bool) or not isinstance(warn, int) or warn < 1):
-      raise ValueError(f"warn_skipped_steps must be a positive int (steps) or None (never "
-                       f"warn), got {warn!r}.")
     if not isinstance(self.skip_nonfinite, (bool, np.bool_)):
       raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
-    for pattern, kind in (self.model_state_reduction or {}).items():
-      if kind not in STATE_REDUCTIONS or not isinstance(pattern, str):
-        raise ValueError(
-            f"model_state_reduction maps a model-state path pattern (a str, '*' matches "
-            f"within a path) to one of {', '.join(map(repr, STATE_REDUCTIONS))}; got "
-            f"{pattern!r}: {kind!r}.")
     streams = self.rng_streams
     if (isinstance(streams, str) or not isinstance(streams, (tuple, list))
         or not all(isinstance(n, str) and n for n in streams)):
@@ -97,29 +71,7 @@ class Options:
     check_signature(self.loss_fn, "loss_fn")
     if self.eval_fn is not None:
       check_signature(self.eval_fn, "eval_fn")
-    dtype = self.grad_reduce_dtype
-    if dtype is not None:
-      if not is_floating_dtype(dtype):
-        raise ValueError(f"grad_reduce_dtype must be a floating dtype (float32, bfloat16, "
-                         f"float16) or None (float32, or a wider gradient's dtype), got "
-                         f"{dtype!r}.")
-      object.__setattr__(self, "grad_reduce_dtype", np.dtype(dtype))
     object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
-    object.__setattr__(self, "recompute_norms", bool(self.recompute_norms))
-    object.__setattr__(self, "half_residuals", bool(self.half_residuals))
-
-  def reduce_dtype(self, grad_dtype: Any) -> np.dtype:
-    """The dtype a gradient of ``grad_dtype`` is reduced across devices in:
-    ``grad_reduce_dtype``, else float32 (float64 stays float64); a complex gradient's
-    complex counterpart (complex64 for a real half or float32 dtype)."""
-    if self.grad_reduce_dtype is not None:
-      return real_or_complex(grad_dtype, self.grad_reduce_dtype)
-    return at_least_float32(grad_dtype)
-
-  @property
-  def batch_axes(self) -> tuple[str, ...]:
-    """The mesh axes the batch is split over."""
-    return sharding_lib.axis_names(self.batch_axis)
 
   @property
   def evaluate(self) -> Callable[..., Any]:
@@ -133,7 +85,8 @@ def _option(name: str, doc: str) -> property:
 
 class OptionsView:
   """Read-through properties for a holder of ``options`` (:class:`Options`): what
-  :class:`~jaxamp.TrainStep` shows of ``make_train_step``'s arguments."""
+  :class:`~jaxamp.TrainStep` shows of ``make_train_step``'s arguments (the grouped ones
+  as their configs: ``train.sharding.mesh``)."""
 
   options: Options
 
@@ -142,17 +95,13 @@ class OptionsView:
   eval_fn = _option("evaluate", "The function eval_step runs (eval_fn, else loss_fn).")
   has_aux = _option("has_aux", "Whether loss_fn returns (loss, aux).")
   grad_accum_steps = _option("grad_accum_steps", "Micro-batches per step.")
-  mesh = _option("mesh", "The mesh, or None.")
-  batch_axis = _option("batch_axis", "The mesh axis (or axes) the batch is split over.")
-  param_sharding = _option("param_sharding", "How params are sharded, or None.")
-  donate = _option("donate", "Whether step donates its input state.")
-  grad_reduce_dtype = _option("grad_reduce_dtype",
-                              "Dtype of the cross-device reduction (None: at least float32).")
   float32_outputs = _option("float32_outputs", "Whether loss_fn sees float32 outputs.")
-  debug_nonfinite = _option("debug_nonfinite", "Whether metrics name non-finite grads.")
   seed = _option("seed", "Seed of the state's PRNG key.")
   level = _option("level", "The opt level, or None.")
   skips_nonfinite = _option("skip_nonfinite", "Whether non-finite steps are skipped.")
+  sharding = _option("sharding", "The ShardingConfig: mesh, batch axis, param sharding.")
+  memory = _option("memory", "The MemoryConfig: donation, master weights, recomputation.")
+  debug = _option("debug", "The DebugConfig: non-finite gradients, skipped-step warnings.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +158,7 @@ class Plan:
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:
-    return self.options.mesh
+    return self.options.sharding.mesh
 
   @property
   def sharded(self) -> bool:
@@ -220,14 +169,14 @@ class Plan:
   def prefetch(self) -> bool:
     """Whether per-layer gathers may run one module ahead (``fsdp(prefetch=...)``)."""
     return self.layer_gather and gather_lib.prefetches(
-        sharding_lib.prefetch_of(self.options.param_sharding), self.options.mesh)
+        sharding_lib.prefetch_of(self.options.sharding.param_sharding), self.mesh)
 
   def replicated(self) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(self.options.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
   def batch_sharding(self) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(self.options.mesh,
-                                      jax.sharding.PartitionSpec(self.options.batch_axes))
+    axes = self.options.sharding.batch_axes
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes))
 
 
 def level_rules(options: Options) -> Any:

@@ -57,7 +57,7 @@ class Programs:
 
   def _compile(self) -> None:
     plan = self.plan
-    donate = (0,) if self.options.donate else ()
+    donate = (0,) if self.options.memory.donate else ()
     if plan.mesh is None:
       self.step_jit = self._jit(plan.layer_gather)(self._step_impl, donate_argnums=donate)
     else:
@@ -138,5 +138,5 @@ class Programs:
     whole model: ``gather='auto'``."""
     if not per_layer:
       raise e
-    if sharding_lib.gather_of(self.options.param_sharding) == "layer":
+    if sharding_lib.gather_of(self.options.sharding.param_sharding) == "layer":
       raise ValueError(str(e)) from None

@@ -77,7 +77,7 @@ def _metrics(plan: Plan, state: TrainState, new: update.Applied, grads: Any,
   }
   if update.float16_leaves(state.params):
     metrics["params_finite"] = new.params_finite
-  if plan.options.debug_nonfinite:
+  if plan.options.debug.nonfinite_grads:
     leaves = jax.tree_util.tree_flatten_with_path(
         grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     metrics["nonfinite_grads"] = {
@@ -138,7 +138,7 @@ def _on_auto_axes(plan: Plan, fn: Callable[..., Any], args: tuple[Any, ...]
   then needs no shardings of its own (under Explicit axes an embedding lookup of
   batch-sharded ids asks for its output's). Results whose leading dimension is the
   batch's come back split over the batch axes, the others replicated."""
-  mesh, axes = plan.mesh, plan.options.batch_axes
+  mesh, axes = plan.mesh, plan.options.sharding.batch_axes
   rows = {np.shape(x)[0] for x in jax.tree.leaves(args[-1]) if np.ndim(x)}
   replicated = jax.sharding.NamedSharding(mesh, P())
   shapes = jax.eval_shape(jax.sharding.auto_axes(fn, out_sharding=replicated), *args)

@@ -8,6 +8,7 @@ laid out first), and the skipped-steps monitor.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,10 +19,12 @@ import optax
 
 from jaxamp import policy as policy_lib
 from jaxamp.policy import PolicyLike, get_policy, global_policy
+from jaxamp.train import config as config_lib
 from jaxamp.train import init as init_lib
 from jaxamp.train import layout, resume
 from jaxamp.train.programs import Programs
 from jaxamp.train import step as step_lib
+from jaxamp.train.config import DebugConfig, MemoryConfig, ShardingConfig
 from jaxamp.train.monitor import SkipStreaks
 from jaxamp.train.plan import Options, OptionsView, Plan
 from jaxamp.train.state import TrainState, abstract_state, mismatch
@@ -33,13 +36,14 @@ class TrainStep(OptionsView):
   """A compiled mixed-precision train step; build it with :func:`make_train_step`.
 
   Attributes:
-    options: ``make_train_step``'s arguments, checked (``policy``, ``mesh``... read
-      through to it); plan: what :meth:`init` learnt from the model (None before).
+    options: ``make_train_step``'s arguments, checked (``policy``, ``sharding``,
+      ``memory``, ``debug``... read through to it: ``train.sharding.mesh``); plan: what
+      :meth:`init` learnt from the model (None before).
     master_weights: whether the optimizer updates master weights (float32; float64 or
       complex for such parameters); when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
-    param_specs: with ``param_sharding``, the ``PartitionSpec`` of each parameter (a tree
+    param_specs: with ``ShardingConfig.param_sharding``, the ``PartitionSpec`` of each parameter (a tree
       like the params) once :meth:`init` has run; else None.
   """
 
@@ -47,8 +51,8 @@ class TrainStep(OptionsView):
     self.options = options
     self._programs: Programs | None = None
     # Without skips skipped_steps never moves: nothing to watch on the step's hot path.
-    self._streaks = (SkipStreaks(options.warn_skipped_steps)
-                     if options.warn_skipped_steps is not None and options.skip_nonfinite
+    self._streaks = (SkipStreaks(options.debug.warn_skipped_steps)
+                     if options.debug.warn_skipped_steps is not None and options.skip_nonfinite
                      else None)
     # The skeleton of the state init made, the last state step returned (known good) and
     # the layout.signature of the states step returns (computed when first needed).
@@ -64,11 +68,11 @@ class TrainStep(OptionsView):
 
   @property
   def master_weights(self) -> bool | None:
-    return self.plan.master_weights if self.plan else self.options.master_weights
+    return self.plan.master_weights if self.plan else self.options.memory.master_weights
 
   @property
   def recompute_norms(self) -> bool:
-    return self.plan.recompute_norms if self.plan else self.options.recompute_norms
+    return self.plan.recompute_norms if self.plan else self.options.memory.recompute_norms
 
   @property
   def param_specs(self) -> Any:
@@ -160,7 +164,7 @@ class TrainStep(OptionsView):
     plan, state = layout.placed_at_init(plan, state)
     self._programs = Programs(self.options, plan, self._traced)
     kept = (init_lib.arrays_held(model, variables)
-            if self.options.donate and not donate_model else [])
+            if self.options.memory.donate and not donate_model else [])
     state = init_lib.donatable(state, kept)
     self._fresh = resume.fresh_of(plan, state)
     resume.remember(state, plan.unit_scale)
@@ -307,7 +311,7 @@ class TrainStep(OptionsView):
   def model(self, state: TrainState, *, copy: bool | None = None) -> Any:
     """The model with the state's parameters: an NNX module, or ``(module, variables)``.
 
-    A step that donates its state (``donate=True``, the default) consumes the state's
+    A step that donates its state (``MemoryConfig.donate``, the default) consumes the state's
     arrays, so by default the model gets copies of them: a model kept as "the best so
     far" survives the steps after it. ``copy=False`` shares the state's arrays (no extra
     memory; deleted by the next donating step); ``copy=True`` copies also without
@@ -324,7 +328,7 @@ class TrainStep(OptionsView):
       (1, 2)
     """
     plan = self._require_plan("model(state)")
-    if self.options.donate if copy is None else copy:
+    if self.options.memory.donate if copy is None else copy:
       state = state._replace(params=jax.tree.map(jnp.copy, state.params),
                              model_state=jax.tree.map(jnp.copy, state.model_state))
     return plan.adapter.model(state)
@@ -336,21 +340,31 @@ def _lowered(traced: Any, platforms: Sequence[str] | None) -> Any:
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
-                    policy: PolicyLike | None = None, has_aux: bool = False,
-                    grad_accum_steps: int = 1, mesh: Any = None, batch_axis: str = "data",
-                    donate: bool = True, grad_reduce_dtype: Any = None,
-                    master_weights: bool | None = None, float32_outputs: bool = True,
-                    debug_nonfinite: bool = False, eval_fn: Callable[..., Any] | None = None,
-                    seed: int = 0, opt_level: Any = None,
-                    recompute_norms: bool = False,
-                    half_residuals: bool = True,
-                    param_sharding: Any = None,
-                    warn_skipped_steps: int | None = 100,
-                    skip_nonfinite: bool = True,
-                    model_state_reduction: Mapping[str, str] | None = None,
+                    policy: PolicyLike | None = None, opt_level: Any = None,
+                    has_aux: bool = False, eval_fn: Callable[..., Any] | None = None,
+                    grad_accum_steps: int = 1, skip_nonfinite: bool = True,
+                    float32_outputs: bool = True, seed: int = 0,
+                    rng_streams: Sequence[str] = ("dropout",),
                     compiler_options: Mapping[str, Any] | None = None,
-                    rng_streams: Sequence[str] = ("dropout",)) -> TrainStep:
+                    sharding: ShardingConfig | None = None,
+                    memory: MemoryConfig | None = None,
+                    debug: DebugConfig | None = None,
+                    **deprecated: Any) -> TrainStep:
   """Builds a compiled mixed-precision train step.
+
+  Example (on one device a mesh of one; each config's fields are documented with it):
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> train = jaxamp.make_train_step(
+    ...     lambda m, b: jnp.mean(m(b) ** 2), optax.adam(1e-3), policy='mixed_bfloat16',
+    ...     sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=jaxamp.fsdp('data')),
+    ...     memory=jaxamp.MemoryConfig(recompute_norms=True),
+    ...     debug=jaxamp.DebugConfig(nonfinite_grads=True))
+    >>> state = train.init(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    >>> state, metrics = train.step(state, jnp.ones((8, 4)))
+    >>> sorted(metrics['nonfinite_grads']), train.sharding.mesh is mesh
+    (['bias', 'kernel'], True)
 
   Args:
     loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -364,8 +378,14 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       ``optax.chain(jaxamp.dynamic_loss_scale(), optax.adamw(3e-4))``) is used; without
       one, ``jaxamp.loss_scale_for(policy)`` is put first (dynamic for float16 compute).
     policy: the model-level policy; None takes ``jaxamp.global_policy()`` now.
+    opt_level: an Apex-style level, ``'O0'``–``'O3'`` or a :class:`jaxamp.OptLevel`
+      (see :func:`jaxamp.opt_level`); it sets the policy, the loss scale inserted when
+      ``optimizer`` has none, master weights (unless ``memory`` gives them), whether
+      norms stay float32, and for O1 runs the loss computation through
+      :func:`jaxamp.autocast` with a float32 model. Not combinable with ``policy``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a dict ``aux`` is merged into
       the metrics, anything else is under ``metrics['aux']``.
+    eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
     grad_accum_steps: micro-batches per step, run with ``lax.scan`` inside the step; the
       scale updates once per step and the whole step is skipped if any micro-batch
       overflows. Each micro-batch's loss is scaled by the loss scale over
@@ -376,67 +396,15 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       The aux of the micro-batches (and, with a mesh, of the devices) is combined into
       the whole batch's: floating values averaged, integers summed (counts), booleans
       or-ed (flags).
-    mesh: a ``jax.sharding.Mesh`` for data parallelism (and sharded params), or None.
-      Every batch leaf is split over ``batch_axis`` along its first dimension (a 0-d
-      leaf is refused).
-    batch_axis: the mesh axis the batch is split on, or a tuple of axes (split over
-      their product, e.g. ``('data', 'fsdp')``).
-    donate: donate the input state's buffers to the step.
-    grad_reduce_dtype: dtype of the cross-device gradient mean (reduce-scatter with
-      ``param_sharding``); default (None): float32, or a float64 gradient's float64.
-    master_weights: keep float32 master weights in the optimizer state; default (None):
-      on when ``init`` stores any parameter in a half dtype (``'float16'`` and
-      ``'bfloat16'`` policies, or rules giving some modules half params).
-    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32
-      (float64 ones stay float64: a ``'float64'`` policy trains in float64 throughout).
-    debug_nonfinite: add ``metrics['nonfinite_grads']``, a dict from parameter path to
-      whether its gradient had an inf/NaN, to find the layer that overflowed.
-    eval_fn: ``eval_fn(model, batch)`` for :meth:`TrainStep.eval_step`; default ``loss_fn``.
-    seed: seed of the state's PRNG key (Linen's RNG streams).
-    opt_level: an Apex-style level, ``'O0'``–``'O3'`` or a :class:`jaxamp.OptLevel`
-      (see :func:`jaxamp.opt_level`); it sets the policy, the loss scale inserted when
-      ``optimizer`` has none, master weights (unless given), whether norms stay float32,
-      and for O1 runs the loss computation through :func:`jaxamp.autocast` with a
-      float32 model. Not combinable with ``policy``.
-    recompute_norms: recompute norms that compute wider than their inputs in the
-      backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
-      time. Off by default; ``half_residuals`` already keeps a norm's half-precision
-      input and statistics rather than its float32 intermediates.
-    half_residuals: when the model computes in half precision, differentiate the loss
-      under :func:`jaxamp.half_residuals`: reverse mode saves half-precision values and
-      statistics (matmul, convolution and reduction results) and recomputes float32
-      elementwise work (float32 norms' insides, softmax islands, parameter casts) in
-      the backward pass, with the same gradients. On by default; False keeps what plain
-      reverse mode saves.
-    param_sharding: shard the params, master weights and optimizer state over ``mesh``:
-      :func:`jaxamp.fsdp` (each large param split over an axis), :func:`jaxamp.annotated`
-      (the model's NNX/Linen partitioning annotations, with logical axis rules), or a
-      pytree of ``PartitionSpec`` like the params. Each step gathers the params in their
-      compute dtype and reduce-scatters gradients in ``grad_reduce_dtype``; see
-      :mod:`jaxamp.sharding`. None (default): params replicated.
-    warn_skipped_steps: warn (a ``RuntimeWarning``, once per streak) when this many
-      consecutive steps were all skipped, i.e. training stopped moving. ``step`` reads
-      two counters per that many calls, from results at least that old, so it never
-      waits on the step it just dispatched; the warning comes up to three windows after
-      the streak began. None: never warn.
     skip_nonfinite: skip a step whose gradients are not finite (inf, NaN, or a global
       norm past float32's range) exactly, leaving the state bit-identical but for the
       loss scale (default, under every policy). False: apply every update, like a plain
       optax step (``metrics['grads_finite']`` still says whether the gradients were
       finite); refused where float16 needs skips (a loss-scale element in ``optimizer``,
       float16 compute, parameters stored in float16).
-    model_state_reduction: with a mesh, how model state a step updates on each device is
-      combined, as ``{path pattern: kind}`` (patterns as ``fnmatch``, matched against
-      ``'/'``-joined state paths such as ``'counter/count'``; Linen paths start with the
-      collection). Kinds: ``'mean'`` (a statistic averaged over the batch), ``'sum'``
-      (the devices' changes added: a count of examples, a running sum), ``'max'``,
-      ``'min'`` (a running maximum or minimum), ``'same'`` (each device makes the same
-      change: a count of calls). BatchNorm statistics are averaged and RNG streams kept
-      without it; other state a step changes under a mesh is refused until declared.
-    compiler_options: XLA options for the step's and eval step's programs, as
-      ``jax.jit(..., compiler_options=...)`` takes them (e.g.
-      ``{'xla_gpu_enable_latency_hiding_scheduler': True}``); they override
-      ``XLA_FLAGS`` for these programs only.
+    float32_outputs: hand the model's floating outputs to ``loss_fn`` in float32
+      (float64 ones stay float64: a ``'float64'`` policy trains in float64 throughout).
+    seed: seed of the state's PRNG key (Linen's RNG streams).
     rng_streams: the Linen RNG streams the step gives the module (``self.make_rng(name)``):
       ``'dropout'`` by default; add the others a model draws from, e.g.
       ``('dropout', 'droppath')`` for stochastic depth (Hugging Face BEiT). Streams named
@@ -444,11 +412,31 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       derived from the state's key, the steps applied, the micro-batch and the device, so
       every step, micro-batch and device draws anew, and a state resumes with the same
       keys.
+    compiler_options: XLA options for the step's and eval step's programs, as
+      ``jax.jit(..., compiler_options=...)`` takes them (e.g.
+      ``{'xla_gpu_enable_latency_hiding_scheduler': True}``); they override
+      ``XLA_FLAGS`` for these programs only.
+    sharding: a :class:`jaxamp.ShardingConfig`: the mesh, the batch axis, parameter
+      sharding (FSDP), the dtype of the cross-device gradient reduction, how model state
+      is combined across devices. None: one device.
+    memory: a :class:`jaxamp.MemoryConfig`: donation of the input state, master
+      weights, recomputed norms, half-precision residuals. None: its defaults.
+    debug: a :class:`jaxamp.DebugConfig`: ``metrics['nonfinite_grads']``, the
+      skipped-steps warning. None: its defaults.
+    **deprecated: this release only, the former keywords of the configs' fields
+      (``mesh=``, ``batch_axis=``, ``param_sharding=``, ``grad_reduce_dtype=``,
+      ``model_state_reduction=``, ``donate=``, ``master_weights=``,
+      ``recompute_norms=``, ``half_residuals=``, ``debug_nonfinite=`` (now
+      ``DebugConfig.nonfinite_grads``), ``warn_skipped_steps=``): each still works, with
+      a ``DeprecationWarning`` naming the new spelling; one given with the config that
+      owns it is refused.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
     ``init``, ``step_fn`` is the step as a pure function for your own ``jax.jit``.
   """
+  configs = config_lib.from_keywords(
+      deprecated, {"sharding": sharding, "memory": memory, "debug": debug}, stacklevel=2)
   level = None
   if opt_level is not None:
     from jaxamp.opt_levels import opt_level as get_level  # pylint: disable=g-import-not-at-top
@@ -460,17 +448,13 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     level = get_level(opt_level)
     # O1 keeps the model in float32 and lets autocast pick each operation's precision.
     policy = get_policy("float32") if level.autocast else level.policy
-    if master_weights is None:
-      master_weights = level.master_weights
+    if configs["memory"].master_weights is None:
+      configs["memory"] = dataclasses.replace(configs["memory"],
+                                              master_weights=level.master_weights)
   policy = global_policy() if policy is None else get_policy(policy)
   policy_lib._warn_if_slow(level.policy if level is not None else policy, stacklevel=3)
   return TrainStep(Options(
       loss_fn, optimizer, policy=policy, has_aux=has_aux,
-      grad_accum_steps=grad_accum_steps, mesh=mesh, batch_axis=batch_axis, donate=donate,
-      grad_reduce_dtype=grad_reduce_dtype, master_weights=master_weights,
-      float32_outputs=float32_outputs, debug_nonfinite=debug_nonfinite, eval_fn=eval_fn,
-      seed=seed, level=level, recompute_norms=recompute_norms,
-      half_residuals=half_residuals, param_sharding=param_sharding,
-      warn_skipped_steps=warn_skipped_steps, skip_nonfinite=skip_nonfinite,
-      model_state_reduction=model_state_reduction, compiler_options=compiler_options,
-      rng_streams=rng_streams))
+      grad_accum_steps=grad_accum_steps, float32_outputs=float32_outputs, eval_fn=eval_fn,
+      seed=seed, level=level, skip_nonfinite=skip_nonfinite,
+      compiler_options=compiler_options, rng_streams=rng_streams, **configs))
