@@ -208,8 +208,7 @@ def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Pla
   which of them run matmuls."""
   recorder, plan = _recording(root)
   with nn.intercept_methods(recorder):
-    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
-      jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(fn), *trees)
+    jaxpr = module_call.traced(fn, *trees)
   return plan(jaxpr)
 
 
@@ -640,10 +639,8 @@ class LinenPolicy:
   def _census(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
     scopes: dict[Path, int] = {}
-    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
-      jaxpr = _trace.abstractly(
-          jax.make_jaxpr, _trace.arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
-          variables, args, kwargs)
+    jaxpr = module_call.traced(lambda v, a, k: self._run(plan, v, a, k, scopes), variables,
+                               args, kwargs)
     names = [path_name(path) for path in sorted(scopes, key=scopes.get)]
     policies = _resolve(plan, self.model_policy())
     return (module_matmuls(jaxpr), names,

@@ -29,12 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from jaxamp import _trace
+from jaxamp import fp8 as fp8_lib
 from jaxamp.casting import cast_leaf, is_floating_array
 from jaxamp.census import float32_in_half_modules, scope_name, warn_float32_matmuls
 from jaxamp.policy import Policy
@@ -234,15 +236,13 @@ def remat_for(*, norm: bool, recompute_norms: bool, owns_slices: bool, inputs: A
   return None
 
 
-@contextlib.contextmanager
-def census_scope(scope: int | None) -> Iterator[None]:
+_NO_SCOPE = contextlib.nullcontext()  # reusable: the hot path makes no context manager
+
+
+def census_scope(scope: int | None) -> contextlib.AbstractContextManager[Any]:
   """The module call numbered ``scope`` of a census run under its named scope (None:
   no census run)."""
-  if scope is None:
-    yield
-  else:
-    with jax.named_scope(scope_name(scope)):
-      yield
+  return _NO_SCOPE if scope is None else jax.named_scope(scope_name(scope))
 
 
 def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
@@ -280,6 +280,17 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
     return out
   dtype = policy.output_dtype if output_dtype is None else output_dtype
   return cast_values(out, dtype, library.keep)
+
+
+# --- the census trace ---------------------------------------------------------------------
+
+
+def traced(fn: Callable[..., Any], *trees: Any) -> Any:
+  """The jaxpr of ``fn(*trees)``, traced abstractly (nothing runs; arrays and shape
+  structs alike), its array outputs kept. FP8 is suspended: traced inside a train step,
+  a census or plan pass must not read (or warn of missing) FP8 state."""
+  with fp8_lib.suspended():
+    return _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(fn), *trees)
 
 
 # --- the first-call check -----------------------------------------------------------------

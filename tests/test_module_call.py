@@ -184,3 +184,17 @@ def test_warn_float32_traces_only_where_something_computes_in_half(fresh_warning
   assert found == ([op], [""])
   assert [str(r.message).count("ModelForWarnTest") for r in w] == [1]
   assert w[0].filename == __file__
+
+
+def test_traced_takes_shape_structs_and_runs_nothing():
+  ran = []
+
+  def fn(x, tree):
+    ran.append(type(x))
+    return {"y": x @ tree["w"], "n": 3}
+
+  x = jax.ShapeDtypeStruct((2, 3), BF16)
+  jaxpr = module_call.traced(fn, x, {"w": jnp.ones((3, 4), BF16)})
+  assert [v.aval.shape for v in jaxpr.jaxpr.outvars] == [(2, 4)]  # arrays only
+  assert [op.lhs_dtype for op in module_matmuls(jaxpr)] == ["bfloat16"]
+  assert all(issubclass(t, jax.core.Tracer) for t in ran)

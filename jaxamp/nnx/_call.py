@@ -60,18 +60,6 @@ _state = module_call.CallState()  # calls: the _Call of each wrapper call runnin
 # --- the policy-aware subclasses -------------------------------------------------------
 
 
-_classes = module_call.PolicyClasses(
-    POLICY_METHODS, lambda module: _policy_for(module),
-    lambda module, fn, name, policy, args, kwargs: _run_under(module, fn, policy, args, kwargs),
-    _flax_compat.graph_subclass)
-_methods_for = _classes.methods_for
-
-
-def _policy_class(cls: type) -> type:
-  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
-  return _classes.subclass(cls, {"_jaxamp_base": cls})
-
-
 def _policy_for(module: Any) -> Policy | None:
   """The policy ``module`` runs under now, or None to run it unchanged."""
   if not _state.calls or id(module) in _state.running:
@@ -83,6 +71,18 @@ def _policy_for(module: Any) -> Policy | None:
     enclosing = _state.stack[-1] if _state.stack else _state.calls[-1].policy
     policy = resolve_policy(_base_class(type(module)), "", enclosing)
   return policy
+
+
+_classes = module_call.PolicyClasses(
+    POLICY_METHODS, _policy_for,
+    lambda module, fn, name, policy, args, kwargs: _run_under(module, fn, policy, args, kwargs),
+    _flax_compat.graph_subclass)
+_methods_for = _classes.methods_for
+
+
+def _policy_class(cls: type) -> type:
+  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
+  return _classes.subclass(cls, {"_jaxamp_base": cls})
 
 
 # --- running one module method under a policy ------------------------------------------

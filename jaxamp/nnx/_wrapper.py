@@ -14,7 +14,6 @@ import jax
 import jax.extend.core as jax_core
 from flax import nnx
 
-from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import set_attr_unchecked
@@ -354,8 +353,7 @@ def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
 
   # The copy's modules are new objects: number them as _applied meets them. Traced
   # inside a train step, the copy must not read (or warn of missing) FP8 state.
-  with fp8_lib.suspended():
-    jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(run), state, args, kwargs)
+  jaxpr = module_call.traced(run, state, args, kwargs)
   policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
   return module_matmuls(jaxpr), call.names, policies
 
