@@ -42,8 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -53,11 +51,10 @@ import numpy as np
 
 from jaxamp import _warn_once
 from jaxamp import fp8 as fp8_lib
-from jaxamp.casting import at_least_float32, cast_leaf, is_floating_array, read_as
-from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
-                           warn_float32_matmuls)
+from jaxamp import module_call
+from jaxamp.casting import at_least_float32, is_floating_array, read_as
+from jaxamp.census import module_matmuls
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
-from jaxamp.residuals import recompute_all, regather_policy
 from jaxamp.rules import path_name, resolve_tree
 from jaxamp import gather as gather_lib
 
@@ -159,54 +156,16 @@ def _rebuilt(tree: Any, make: Callable[[tuple[Any, ...], Any, bool], type],
 # --- the policy classes ------------------------------------------------------------------
 
 
-class _ThreadState(threading.local):
-
-  def __init__(self):
-    super().__init__()
-    # The compute dtype of each module call running, innermost last (None: reads stay
-    # as stored, an embedding lookup).
-    self.stack: list[np.dtype | None] = []
-    self.census = False  # a census trace is running: no check inside it
-
-
-_state = _ThreadState()
-
-
-def _methods_for(cls: type) -> tuple[str, ...]:
-  names: list[str] = []
-  for klass in cls.__mro__:
-    for name in POLICY_METHODS.get(klass, ()):
-      if name not in names and any(name in vars(k) for k in cls.__mro__ if k is not object):
-        names.append(name)
-  return tuple(names)
-
-
-_classes: dict[tuple[Any, ...], type] = {}
-_classes_lock = threading.Lock()
+# stack: the compute dtype of each module call running, innermost last (None: reads
+# stay as stored, an embedding lookup); census: a census trace is running.
+_state = module_call.CallState()
 
 
 def _policy_class(info: _Info) -> type:
   """A subclass of ``info.base`` whose policy methods run under ``info.policy``; cached,
   except for census classes (one per module, made for one trace)."""
-  methods = _methods_for(info.base)
-  key = (info, methods)
-  if info.scope is None:
-    found = _classes.get(key)
-    if found is not None:
-      return found
-  base = info.base
-  namespace: dict[str, Any] = {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                               "__doc__": base.__doc__, _INFO: info,
-                               "__getattribute__": _reading(base)}
-  for name in methods:
-    namespace[name] = _policy_method(getattr(base, name), name)
-  with _classes_lock:
-    found = _classes.get(key) if info.scope is None else None
-    if found is None:
-      found = type(base)(base.__name__, (base,), namespace)
-      if info.scope is None:
-        _classes[key] = found
-  return found
+  return _classes.subclass(info.base, {_INFO: info, "__getattribute__": _reading(info.base)},
+                           key=info, cache=info.scope is None)
 
 
 def _reading(base: type) -> Callable[[Any, str], Any]:
@@ -233,26 +192,20 @@ def _reading(base: type) -> Callable[[Any, str], Any]:
   return __getattribute__
 
 
-def _cast_values(tree: Any, dtype: np.dtype) -> Any:
-  """Casts floating arrays in ``tree``; modules and ``eqx.nn.State`` pass untouched."""
-  if isinstance(tree, jax.Array):
-    return cast_leaf(tree, dtype)
-  keep = lambda x: _is_module(x) or isinstance(x, eqx.nn.State)
-  return jax.tree.map(lambda x: x if keep(x) else cast_leaf(x, dtype), tree, is_leaf=keep)
+_LIBRARY = module_call.Library(keep=lambda x: _is_module(x) or isinstance(x, eqx.nn.State))
 
 
-def _policy_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _outermost_checked(module: Any, fn: Callable[..., Any], name: str, info: _Info,
+                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  if not _state.stack and not _state.census:  # an outermost call
+    _check(module, name, args, kwargs)
+  return _run_under(module, fn, info, args, kwargs)
 
-  @functools.wraps(fn)
-  def method(self, *args, **kwargs):
-    info = _info(self)
-    if info is None:  # a user's subclass of a policy class: run as is
-      return fn(self, *args, **kwargs)
-    if not _state.stack and not _state.census:  # an outermost call
-      _check(self, name, args, kwargs)
-    return _run_under(self, fn, info, args, kwargs)
 
-  return method
+# A user's subclass of a policy class (no info of its own) runs as is.
+_classes = module_call.PolicyClasses(
+    POLICY_METHODS, _info, _outermost_checked,
+    lambda base, namespace: type(base)(base.__name__, (base,), namespace))
 
 
 def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any, ...],
@@ -268,8 +221,7 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
   tie = gather_lib.tie_for([x for x in jax.tree.leaves((args, kwargs))
                             if is_floating_array(x)]) if sliced else None
 
-  def run(module, args, kwargs, tie):
-    args, kwargs = _cast_values(args, compute), _cast_values(kwargs, compute)
+  def run(module, args, kwargs, tie):  # the arguments cast
     _state.stack.append(None if gather else compute)
     try:
       with gather_lib.reading(compute, tie):
@@ -277,18 +229,20 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
     finally:
       _state.stack.pop()
 
-  if info.recompute_norms and issubclass(info.base, _NORMS) and _widens(args, kwargs, compute):
-    # The cast inside the checkpoint: reverse mode keeps the half-precision input, not
-    # the float32 intermediates.
-    run = eqx.filter_checkpoint(run, policy=recompute_all)
-  elif sliced:  # gathered again in the backward pass, not kept
-    run = eqx.filter_checkpoint(run, policy=regather_policy(compute))
-  if info.scope is not None:  # a census run
-    with jax.named_scope(scope_name(info.scope)):
-      out = run(module, args, kwargs, tie)
-  else:
-    out = run(module, args, kwargs, tie)
-  return _cast_values(out, info.output_dtype)
+  def cast_and_run(module, args, kwargs, tie):
+    cast = lambda tree: module_call.cast_values(tree, compute, _LIBRARY.keep)
+    return run(module, cast(args), cast(kwargs), tie)
+
+  # Recomputed, the cast inside the checkpoint: reverse mode keeps the half-precision
+  # input, not the float32 intermediates; or gathered again in the backward pass.
+  remat = module_call.remat_for(norm=issubclass(info.base, _NORMS),
+                                recompute_norms=info.recompute_norms, owns_slices=sliced,
+                                inputs=(args, kwargs), compute=compute, keep=_is_module)
+  return module_call.call_under(
+      _LIBRARY, info.policy, args, kwargs, call=lambda a, k: run(module, a, k, tie),
+      recomputed=lambda r: eqx.filter_checkpoint(cast_and_run, policy=r.policy)(
+          module, args, kwargs, tie),
+      remat=remat, scope=info.scope, output_dtype=info.output_dtype)
 
 
 def fp8_classes() -> tuple[type, ...]:
@@ -331,11 +285,6 @@ def _owns_slices(module: Any) -> bool:
       type(value) in (list, tuple, dict)
       and any(map(gather_lib.is_slice, jax.tree.leaves(value, is_leaf=stop))))
              for value in module.__dict__.values())
-
-
-def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
-  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_module)
-  return any(is_floating_array(x) and x.dtype.itemsize < compute.itemsize for x in leaves)
 
 
 # --- views ---------------------------------------------------------------------------------
@@ -499,29 +448,21 @@ def _census(view: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 _checked: set[Any] = set()
-_CHECKED_SIZE = 256
 
 
 def _check(view: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
   """Warns once if a module computing in half by policy leaves matmuls in float32;
   checked once per model class, policy, method and input shapes."""
   info = _info(view)
-  leaves = jax.tree.leaves((args, kwargs))
   key = (info.base, info.model_policy, name,
-         tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
-  if key in _checked:
+         module_call.input_signature(jax.tree.leaves((args, kwargs))))
+  if not module_call.first_time(_checked, key):
     return
-  if len(_checked) >= _CHECKED_SIZE:
-    _checked.clear()
-  _checked.add(key)
   infos = {path_name(path): _info(m) for path, m in _walk(view)}
-  compute = {n: i.policy.compute_dtype for n, i in infos.items() if i is not None}
-  if all(np.dtype(c).itemsize >= 4 for c in compute.values()):
-    return
-  ops, names = _census(view, name, args, kwargs)
-  stray, total = float32_in_half_modules(ops, names, compute)
-  warn_float32_matmuls(info.base.__name__, info.model_policy.name, stray, total,
-                       stacklevel=4)
+  module_call.warn_float32(
+      info.base.__name__, info.model_policy.name,
+      {n: i.policy.compute_dtype for n, i in infos.items() if i is not None},
+      lambda: _census(view, name, args, kwargs), stacklevel=5)
 
 
 # --- the train step -----------------------------------------------------------------------

@@ -58,13 +58,13 @@ import numpy as np
 from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
 from jaxamp import gather as gather_lib
+from jaxamp import module_call
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
                                  set_attr_unchecked, union_filters)
 from jaxamp.casting import (at_least_float32, cast_floating, is_floating_array,
                             is_floating_dtype, read_as)
-from jaxamp.census import (float32_in_half_modules, module_matmuls, scope_name,
-                           warn_float32_matmuls)
+from jaxamp.census import module_matmuls
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_norms,
                           path_name, resolve_policy, resolve_tree)
@@ -72,6 +72,7 @@ from jaxamp.rules import (NORM_CLASSES, is_named_attention, is_named_norm, not_n
 __all__ = ["LinenPolicy", "with_policy", "module_policies"]
 
 Path = tuple[str, ...]
+_LIBRARY = module_call.Library(keep=lambda x: False)  # Linen modules are no pytrees
 _PLAN_CACHE_SIZE = 64
 _MISSING = object()
 
@@ -174,8 +175,8 @@ def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[Any], _Pl
     found.setdefault(path, type(module))
     if linen_is_lifted_body(module):
       lifted.add(path)
-    with places.running(path, nested), jax.named_scope(
-        scope_name(scopes.setdefault(path, len(scopes)))):
+    with places.running(path, nested), module_call.census_scope(
+        scopes.setdefault(path, len(scopes))):
       return next_fun(*args, **kwargs)
 
   def plan(jaxpr: Any) -> _Plan:
@@ -207,8 +208,7 @@ def _abstract_plan(fn: Callable[..., Any], root: nn.Module, *trees: Any) -> _Pla
   which of them run matmuls."""
   recorder, plan = _recording(root)
   with nn.intercept_methods(recorder):
-    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
-      jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(fn), *trees)
+    jaxpr = module_call.traced(fn, *trees)
   return plan(jaxpr)
 
 
@@ -352,12 +352,6 @@ def _is_norm(cls: type) -> bool:
   return issubclass(cls, NORM_CLASSES) or is_named_norm(cls)
 
 
-def _widens(tree: Any, compute: Any) -> bool:
-  """Whether ``compute`` is wider than some floating array of ``tree``."""
-  return any(is_floating_array(x) and x.dtype.itemsize < np.dtype(compute).itemsize
-             for x in jax.tree.leaves(tree))
-
-
 def _dtype_fields(module: nn.Module, policy: Policy) -> dict[str, Any]:
   """The ``dtype`` / ``param_dtype`` fields of ``module`` that ``policy`` replaces.
 
@@ -415,17 +409,12 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     # rest as ``policy`` says. With ``tie`` (it reads parameter slices) its gathers wait
     # for what gather.tie_for says (its inputs, or the previous reading module's), and
     # the policy has them gathered again in the backward pass.
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    where = [i for i, x in enumerate(leaves) if is_floating_array(x)]
-    arrays = [leaves[i] for i in where]
+    arrays, put_back = module_call.arrays_of((args, kwargs), is_floating_array)
     ties = gather_lib.tie_for(arrays) if tie else []
 
     def body(clone, *inputs):
-      full = list(leaves)
-      for i, x in zip(where, inputs[:len(where)]):
-        full[i] = x
-      a, k = cast_floating(jax.tree.unflatten(treedef, full), compute)
-      with gather_lib.reading(compute, list(inputs[len(where):]) if tie else None):
+      a, k = cast_floating(put_back(inputs[:len(arrays)]), compute)
+      with gather_lib.reading(compute, list(inputs[len(arrays):]) if tie else None):
         return linen_unbound_method(context)(clone, *a, **k)
 
     mapping.add(path)  # the clone nn.remat runs is already cast
@@ -457,9 +446,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
     return policy
 
   def scoped(path):
-    if scopes is None:
-      return contextlib.nullcontext()
-    return jax.named_scope(scope_name(scopes.setdefault(path, len(scopes))))
+    return module_call.census_scope(
+        None if scopes is None else scopes.setdefault(path, len(scopes)))
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
@@ -491,16 +479,17 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
         stack.enter_context(scoped(path))
         stack.enter_context(gather_lib.reading(compute))  # its parameter slices, if any
         plain = path not in lifted and not nested and not module.is_initializing()
-        if (recompute_norms and plain and _is_norm(type(module)) and path not in not_norm
-            and _widens((args, kwargs), compute)):
-          out = recomputed(module, path, context, args, kwargs, compute,
-                           tie=_owns_slices(module))
-        elif plain and _owns_slices(module):  # FSDP, gather='layer'
-          out = recomputed(module, path, context, args, kwargs, compute,
-                           residuals_lib.regather_policy(compute), tie=True)
-        else:
-          out = call(next_fun, module, path, nested, context, cast_floating(args, compute),
-                     cast_floating(kwargs, compute))
+        owns = plain and _owns_slices(module)  # FSDP, gather='layer'
+        remat = module_call.remat_for(
+            norm=plain and _is_norm(type(module)) and path not in not_norm,
+            recompute_norms=recompute_norms, owns_slices=owns, inputs=(args, kwargs),
+            compute=compute)
+        out = module_call.call_under(
+            _LIBRARY, policy, args, kwargs,
+            call=lambda a, k: call(next_fun, module, path, nested, context, a, k),
+            recomputed=lambda r: recomputed(module, path, context, args, kwargs, compute,
+                                            r.policy, tie=owns),
+            remat=remat, widen=False)  # an nn.scan carry goes back as it came, below
     finally:
       running.pop()
     if (args and linen_is_lifted_body(module) and type(out) is tuple and out
@@ -650,10 +639,8 @@ class LinenPolicy:
   def _census(self, plan: _Plan, variables: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> tuple[list[Any], list[str], dict[str, Policy]]:
     scopes: dict[Path, int] = {}
-    with fp8_lib.suspended():  # traced inside a step, it must not touch the FP8 state
-      jaxpr = _trace.abstractly(
-          jax.make_jaxpr, _trace.arrays_of(lambda v, a, k: self._run(plan, v, a, k, scopes)),
-          variables, args, kwargs)
+    jaxpr = module_call.traced(lambda v, a, k: self._run(plan, v, a, k, scopes), variables,
+                               args, kwargs)
     names = [path_name(path) for path in sorted(scopes, key=scopes.get)]
     policies = _resolve(plan, self.model_policy())
     return (module_matmuls(jaxpr), names,
@@ -663,13 +650,10 @@ class LinenPolicy:
              kwargs: dict[str, Any]) -> None:
     """Warns once if a module computing in half by policy leaves matmuls in float32."""
     policies = _resolve(plan, self.model_policy())
-    if all(p.compute_dtype.itemsize >= 4 for p in policies.values()):
-      return  # nothing computes in half: nothing to check
-    ops, names, by_name = self._census(plan, variables, args, kwargs)
-    stray, total = float32_in_half_modules(
-        ops, names, {n: p.compute_dtype for n, p in by_name.items()})
-    warn_float32_matmuls(type(self.module).__name__, self.policy.name, stray, total,
-                         stacklevel=4)
+    module_call.warn_float32(
+        type(self.module).__name__, self.policy.name,
+        {path_name(path): p.compute_dtype for path, p in policies.items()},
+        lambda: self._census(plan, variables, args, kwargs)[:2], stacklevel=4)
 
   def _plan(self, key: Hashable | None, variables: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> _Plan:

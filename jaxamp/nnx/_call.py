@@ -4,7 +4,6 @@ per-thread call state, and the casts of arguments, Variables and results."""
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,14 +15,14 @@ from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importab
 from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
 from jaxamp._flax_compat import set_attr_unchecked
-from jaxamp.casting import cast_leaf, is_floating_array, is_floating_dtype
-from jaxamp.census import scope_name
+from jaxamp import module_call
+from jaxamp.casting import is_floating_dtype
 from jaxamp.nnx._attention import half_dot_product_attention
 from jaxamp.nnx._plan import _base_class
 from jaxamp.nnx._variables import (_gathered_on_read, _keep_dtype, _owned_variables, _read_as,
                                    _reads_as_compute, _set_attr)
 from jaxamp.policy import Policy
-from jaxamp.residuals import recompute_all, regather_policy
+from jaxamp.residuals import recompute_all
 from jaxamp.rules import resolve_policy
 from jaxamp.gather import tie_for
 
@@ -55,84 +54,10 @@ class _Call(NamedTuple):
   names: list[str] | None = None
 
 
-class _ThreadState(threading.local):
-  """Per-thread call state: NNX graphs are shared objects, the running calls are not."""
-
-  def __init__(self):
-    super().__init__()
-    self.calls: list[_Call] = []  # the wrapper calls running, innermost last
-    self.stack: list[Policy] = []  # policy of each module call running
-    self.running: set[int] = set()  # ids of modules whose wrapped method is running
-
-
-_state = _ThreadState()
+_state = module_call.CallState()  # calls: the _Call of each wrapper call running
 
 
 # --- the policy-aware subclasses -------------------------------------------------------
-
-
-_methods: dict[type, tuple[str, ...]] = {}
-_methods_source: dict[type, tuple[str, ...]] = {}  # the POLICY_METHODS _methods reflects
-
-
-def _methods_for(cls: type) -> tuple[str, ...]:
-  """The policy methods of ``cls``; remembered per class until POLICY_METHODS changes."""
-  if POLICY_METHODS != _methods_source:  # a small dict: cheaper than the MRO walk
-    _methods.clear()
-    _methods_source.clear()
-    _methods_source.update(POLICY_METHODS)
-  found = _methods.get(cls)
-  if found is None:
-    found = _methods[cls] = _find_methods(cls)
-  return found
-
-
-def _find_methods(cls: type) -> tuple[str, ...]:
-  names: list[str] = []
-  for klass in cls.__mro__:
-    for name in POLICY_METHODS.get(klass, ()):
-      # Look in the class dicts: getattr(cls, '__call__') finds the metaclass's.
-      if name not in names and any(name in vars(k) for k in cls.__mro__):
-        names.append(name)
-  return tuple(names)
-
-
-_classes: dict[tuple[type, tuple[str, ...]], type] = {}
-_classes_lock = threading.Lock()
-
-
-def _policy_class(cls: type) -> type:
-  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
-  key = (cls, _methods_for(cls))
-  sub = _classes.get(key)
-  if sub is not None:
-    return sub
-  with _classes_lock:
-    sub = _classes.get(key)
-    if sub is None:
-      namespace: dict[str, Any] = {
-          "__module__": cls.__module__,
-          "__qualname__": cls.__qualname__,
-          "__doc__": cls.__doc__,
-          "_jaxamp_base": cls,
-      }
-      for name in key[1]:
-        namespace[name] = _policy_method(getattr(cls, name))
-      sub = _flax_compat.graph_subclass(cls, namespace)
-      _classes[key] = sub
-  return sub
-
-
-def _policy_method(fn: Callable[..., Any]) -> Callable[..., Any]:
-
-  @functools.wraps(fn)
-  def method(self, *args, **kwargs):
-    policy = _policy_for(self)
-    if policy is None:
-      return fn(self, *args, **kwargs)
-    return _run_under(self, fn, policy, args, kwargs)
-
-  return method
 
 
 def _policy_for(module: Any) -> Policy | None:
@@ -148,6 +73,18 @@ def _policy_for(module: Any) -> Policy | None:
   return policy
 
 
+_classes = module_call.PolicyClasses(
+    POLICY_METHODS, _policy_for,
+    lambda module, fn, name, policy, args, kwargs: _run_under(module, fn, policy, args, kwargs),
+    _flax_compat.graph_subclass)
+_methods_for = _classes.methods_for
+
+
+def _policy_class(cls: type) -> type:
+  """A cached subclass of ``cls`` whose policy methods run under the instance's policy."""
+  return _classes.subclass(cls, {"_jaxamp_base": cls})
+
+
 # --- running one module method under a policy ------------------------------------------
 
 
@@ -155,35 +92,18 @@ def _is_node(x: Any) -> bool:
   return isinstance(x, (nnx.Variable, nnx.Pytree))
 
 
-def _is_plain_array(x: Any) -> bool:
-  """A ``jax.Array`` or an array tracer (not a hijax Variable's): a leaf to cast as is."""
-  if isinstance(x, jax.core.Tracer):
-    return type(x.aval) is jax.core.ShapedArray
-  return isinstance(x, jax.Array)
+_LIBRARY = module_call.Library(keep=_is_node)
 
 
 def _cast_values(tree: Any, dtype: np.dtype) -> Any:
   """Casts floating arrays in ``tree``; Variables, Rngs and modules pass untouched."""
-  # Most calls pass and return plain arrays: no tree to build.
-  if _is_plain_array(tree):
-    return cast_leaf(tree, dtype)
-  if type(tree) is tuple and all(_is_plain_array(x) for x in tree):
-    return tuple(cast_leaf(x, dtype) for x in tree)
-  if type(tree) is dict and not tree:
-    return tree
-  return jax.tree.map(lambda x: x if _is_node(x) else cast_leaf(x, dtype), tree,
-                      is_leaf=_is_node)
+  return module_call.cast_values(tree, dtype, _is_node)
 
 
 # Norms, recomputed in the backward pass when they compute wider than their inputs:
 # reverse mode then keeps their half-precision input, not float32 intermediates.
 _RECOMPUTED = frozenset({nnx.LayerNorm.__call__, nnx.RMSNorm.__call__, nnx.GroupNorm.__call__,
                          nnx.BatchNorm.__call__})
-
-
-def _widens(args: Any, kwargs: Any, compute: np.dtype) -> bool:
-  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
-  return any(is_floating_array(x) and x.dtype.itemsize < compute.itemsize for x in leaves)
 
 
 def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
@@ -203,8 +123,8 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
   usual NNX checks. Unchanged ones are not touched, so a model closed over by
   ``jax.jit`` runs as it would without recomputation.
   """
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_node)
-  where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+  arrays, put_back = module_call.arrays_of(
+      (args, kwargs), lambda x: isinstance(x, (jax.Array, np.ndarray)), _is_node)
   graphdef, params, others = nnx.split(module, nnx.Param, ...)
   updated: list[tuple[Any, ...]] = []  # paths, known once ``run`` is traced
 
@@ -216,10 +136,7 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     copy = nnx.merge(graphdef, params, others, copy=True)
     before = {path: v.get_raw_value()
               for path, v in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))}
-    full = list(leaves)
-    for i, x in zip(where, arrays):
-      full[i] = x
-    a, k = jax.tree.unflatten(treedef, full)
+    a, k = put_back(arrays)
     out = fn(copy, *_cast_values(a, compute), **_cast_values(k, compute))
     after = nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))
     new = [(path, v.get_raw_value()) for path, v in after
@@ -227,7 +144,6 @@ def _recomputed(module: nnx.Module, fn: Callable[..., Any], compute: np.dtype,
     updated[:] = [path for path, _ in new]
     return out, [value for _, value in new]
 
-  arrays = [leaves[i] for i in where]
   tie = tie_for(arrays) if tied else arrays
   out, values = jax.checkpoint(run, policy=policy)(params, others, arrays,
                                                    [] if tie is arrays else tie)
@@ -309,23 +225,17 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
     for name, value in fp8_lib.nnx_fields(module, policy).items():  # FP8: jaxamp.fp8
       _set_attr(module, name, value, undo)
     call = _state.calls[-1]
-
-    def run() -> Any:
-      if fn in _RECOMPUTED and call.recompute_norms and _widens(args, kwargs, compute):
-        return _recomputed(module, fn, compute, args, kwargs)
-      if reads_slices:
-        # Its own checkpoint: inside an nnx.scan body, the backward pass then gathers
-        # each layer's parameters again in that layer's step, not all layers' up front.
-        return _recomputed(module, fn, compute, args, kwargs, regather_policy(compute),
-                           tied=True)
-      return fn(module, *_cast_values(args, compute), **_cast_values(kwargs, compute))
-
-    scope = vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None
-    if scope is not None:  # a census run
-      with jax.named_scope(scope_name(scope)):
-        out = run()
-    else:
-      out = run()
+    remat = module_call.remat_for(norm=fn in _RECOMPUTED, recompute_norms=call.recompute_norms,
+                                  owns_slices=reads_slices, inputs=(args, kwargs),
+                                  compute=compute, keep=_is_node)
+    # A module reading slices gets its own checkpoint: inside an nnx.scan body, the
+    # backward pass then gathers each layer's parameters again in that layer's step.
+    out = module_call.call_under(
+        _LIBRARY, policy, args, kwargs, call=lambda a, k: fn(module, *a, **k),
+        recomputed=lambda r: _recomputed(module, fn, compute, args, kwargs, r.policy,
+                                         tied=r.regather),
+        remat=remat, scope=vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None,
+        widen=False)  # widened below, once the module is as it was
   finally:
     for step in reversed(undo):
       step()

@@ -14,11 +14,11 @@ import jax
 import jax.extend.core as jax_core
 from flax import nnx
 
-from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import set_attr_unchecked
-from jaxamp.census import float32_in_half_modules, module_matmuls, warn_float32_matmuls
+from jaxamp import module_call
+from jaxamp.census import module_matmuls
 from jaxamp.nnx._call import (_Call, _SCOPE_ATTR, _POLICY_ATTR, _is_node, _methods_for,
                               _policy_class, _run_under, _state)
 from jaxamp.nnx._plan import _base_class, _resolve
@@ -338,7 +338,6 @@ def module_policies(model: nnx.Module, policy: PolicyLike | None = None
 # --- did the policy reach the matmuls? ----------------------------------------------------
 
 _checked: set[Any] = set()
-_CHECKED_SIZE = 256
 
 
 def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
@@ -354,8 +353,7 @@ def _census(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
 
   # The copy's modules are new objects: number them as _applied meets them. Traced
   # inside a train step, the copy must not read (or warn of missing) FP8 state.
-  with fp8_lib.suspended():
-    jaxpr = _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(run), state, args, kwargs)
+  jaxpr = module_call.traced(run, state, args, kwargs)
   policies = {path_name(path): p for path, _, p in _resolve(wrapper.module, call.policy)}
   return module_matmuls(jaxpr), call.names, policies
 
@@ -369,27 +367,21 @@ def _check(wrapper: PolicyModule, name: str, args: tuple[Any, ...],
   """
   policy = wrapper._model_policy()
   leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
-  key = (_base_class(type(wrapper.module)), policy, name,
-         tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
-               for x in leaves))
-  if key in _checked:  # checked first: this runs on every outermost call
+  base = _base_class(type(wrapper.module))
+  if not module_call.first_time(_checked, (base, policy, name,
+                                           module_call.input_signature(leaves))):
     return
-  if len(_checked) >= _CHECKED_SIZE:
-    _checked.clear()
-  _checked.add(key)
   if any(_is_node(x) for x in leaves):
     return
-  if all(p.compute_dtype.itemsize >= 4 for _, _, p in _resolve(wrapper.module, policy)):
+  resolved = _resolve(wrapper.module, policy)
+  found = module_call.warn_float32(
+      base.__name__, policy.name, {path_name(path): p.compute_dtype for path, _, p in resolved},
+      lambda: _census(wrapper, name, args, kwargs)[:2], stacklevel=5)
+  if found is None:
     return
-  ops, names, by_name = _census(wrapper, name, args, kwargs)
-  stray, total = float32_in_half_modules(
-      ops, names, {n: p.compute_dtype for n, p in by_name.items()})
-  warn_float32_matmuls(_base_class(type(wrapper.module)).__name__,
-                       wrapper._model_policy().name, stray, total, stacklevel=5)
   # Under FP8, the modules whose matmuls FP8 cannot reach (they compute them themselves)
   # while some layer runs it; init already said so where none does.
-  rows = [(path_name(path), _base_class(type(node)), p)
-          for path, node, p in _resolve(wrapper.module, policy)]
+  rows = [(path_name(path), _base_class(type(node)), p) for path, node, p in resolved]
   if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in rows):
-    fp8_lib.warn_if_unused(rows, _base_class(type(wrapper.module)).__name__, policy.name,
-                           census=lambda: (ops, names), stacklevel=5)
+    fp8_lib.warn_if_unused(rows, base.__name__, policy.name, census=lambda: found,
+                           stacklevel=5)
