@@ -50,6 +50,12 @@ class FloatFormat(NamedTuple):
   fp8: bool
 
   @property
+  def short(self) -> str:
+    """Its name in reports' shape strings: the HLO spelling, FP8's without ``f8``
+    (``'bf16'``, ``'e4m3fn'``, ``'e5m2'``; ``'e4m3'`` is IEEE-like E4M3, another format)."""
+    return self.hlo[2:] if self.fp8 else self.hlo
+
+  @property
   def itemsize(self) -> int:
     """Bytes per element as stored (sub-byte formats take a byte each)."""
     return max(1, self.bits // 8)

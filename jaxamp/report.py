@@ -653,12 +653,9 @@ def _matmul(op: ir.Operation) -> MatmulOp | None:
 
 # --- formatting ---------------------------------------------------------------------------
 
-_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64",
-          "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-
-
 def _short(dtype: str, shape: tuple[int, ...]) -> str:
-  return f"{_SHORT.get(dtype, dtype)}[{','.join(map(str, shape))}]"
+  fmt = dtypes.FORMATS.get(dtype)
+  return f"{fmt.short if fmt else dtype}[{','.join(map(str, shape))}]"
 
 
 def _human(n: float) -> str:

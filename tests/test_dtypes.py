@@ -53,3 +53,12 @@ def test_an_fp8_collective_counts_one_byte_per_element(text):
   # Counted as 4 bytes per element (the old fallback for a dtype the table lacked).
   [found] = sharding.collectives(text)
   assert found.bytes == 32, found
+
+
+def test_each_format_has_its_own_short_name():
+  # precision_report's shape strings: two formats printed alike would be told apart by
+  # nobody (float8_e4m3 and float8_e4m3fn are different formats).
+  shorts = [f.short for f in dtypes.FORMATS.values()]
+  assert len(set(shorts)) == len(shorts), shorts
+  assert dtypes.FORMATS["bfloat16"].short == "bf16"
+  assert dtypes.FORMATS["float8_e4m3fn"].short == "e4m3fn"

@@ -173,3 +173,22 @@ def test_a_step_made_with_the_former_keyword_runs_as_the_new_spelling():
   assert {k: bool(v) for k, v in results[0]["nonfinite_grads"].items()} == {
       "bias": True, "kernel": True}
   jax.tree.map(np.testing.assert_array_equal, results[0], results[1])
+
+
+@pytest.mark.parametrize("attr, config, field, value", [
+    ("mesh", "sharding", "mesh", MESH), ("batch_axis", "sharding", "batch_axis", "data"),
+    ("param_sharding", "sharding", "param_sharding", FSDP),
+    ("grad_reduce_dtype", "sharding", "grad_reduce_dtype", np.dtype("bfloat16")),
+    ("donate", "memory", "donate", False),
+    ("debug_nonfinite", "debug", "nonfinite_grads", True)])
+def test_a_former_attribute_reads_its_config_with_a_deprecation(attr, config, field, value):
+  train = jaxamp.make_train_step(
+      loss_fn, TX,
+      sharding=jaxamp.ShardingConfig(mesh=MESH, param_sharding=FSDP,
+                                     grad_reduce_dtype=jnp.bfloat16),
+      memory=jaxamp.MemoryConfig(donate=False), debug=jaxamp.DebugConfig(nonfinite_grads=True))
+  with pytest.warns(DeprecationWarning, match=rf"TrainStep.{attr} is deprecated; read "
+                    rf"train.{config}.{field}") as caught:
+    got = getattr(train, attr)
+  assert got == value == getattr(getattr(train, config), field)
+  assert caught[0].filename == __file__

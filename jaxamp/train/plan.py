@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -83,6 +84,18 @@ def _option(name: str, doc: str) -> property:
   return property(lambda self: getattr(self.options, name), doc=doc)
 
 
+def _moved(config: str, name: str, field: str | None = None) -> property:
+  """A former ``TrainStep`` attribute, read from its config with a DeprecationWarning."""
+  field = field or name
+
+  def read(self: Any) -> Any:
+    warnings.warn(f"TrainStep.{name} is deprecated; read train.{config}.{field}.",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(getattr(self.options, config), field)
+
+  return property(read, doc=f"Deprecated: ``{config}.{field}``.")
+
+
 class OptionsView:
   """Read-through properties for a holder of ``options`` (:class:`Options`): what
   :class:`~jaxamp.TrainStep` shows of ``make_train_step``'s arguments (the grouped ones
@@ -102,6 +115,13 @@ class OptionsView:
   sharding = _option("sharding", "The ShardingConfig: mesh, batch axis, param sharding.")
   memory = _option("memory", "The MemoryConfig: donation, master weights, recomputation.")
   debug = _option("debug", "The DebugConfig: non-finite gradients, skipped-step warnings.")
+  # Read as attributes before the configs; kept for this release.
+  mesh = _moved("sharding", "mesh")
+  batch_axis = _moved("sharding", "batch_axis")
+  param_sharding = _moved("sharding", "param_sharding")
+  grad_reduce_dtype = _moved("sharding", "grad_reduce_dtype")
+  donate = _moved("memory", "donate")
+  debug_nonfinite = _moved("debug", "debug_nonfinite", "nonfinite_grads")
 
 
 @dataclasses.dataclass(frozen=True)
