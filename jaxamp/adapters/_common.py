@@ -10,7 +10,7 @@ import jax
 from jaxamp.casting import overflowed_casts
 from jaxamp.rules import _owner, leaf_name, path_name
 
-__all__ = ["module_params", "check_in_range"]
+__all__ = ["PlainTrees", "module_params", "check_in_range"]
 
 
 def module_params(params: Any, module_paths: Sequence[str]) -> dict[str, list[tuple[str, Any]]]:
@@ -47,3 +47,27 @@ def check_in_range(before: Any, after: Any) -> None:
         f"stored as inf: {', '.join(overflowed)}. Convert under 'mixed_bfloat16' "
         "(float32's range), or keep their modules in float32 with a rule "
         "(jaxamp.policy_rules({'<path>': 'float32'})).")
+
+
+class PlainTrees:
+  """The :class:`~jaxamp.adapters.Library` operations of a library whose state is plain
+  pytrees of arrays (Linen's variables, Equinox's fields): no nodes to unwrap, no model
+  state reduced by its type, no owners to find for FSDP, per-layer gathering served."""
+
+  def plain(self, tree: Any) -> Any:
+    return tree
+
+  def is_node(self, x: Any) -> bool:
+    return False
+
+  def value(self, x: Any) -> Any:
+    return x
+
+  def state_reduction(self, leaf: Any) -> str | None:
+    return None  # known by its path (Linen's 'batch_stats/...'), if at all
+
+  def holders(self, model: Any) -> dict[str, list[str]]:
+    return {}
+
+  def layer_gather_refusal(self, model: Any) -> str | None:
+    return None

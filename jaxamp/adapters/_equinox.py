@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxamp import gather
-from jaxamp.adapters._common import check_in_range
+from jaxamp.adapters._common import PlainTrees, check_in_range
 from jaxamp.adapters._registry import Split
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
 from jaxamp.rules import cast_module_params
@@ -71,7 +71,7 @@ class EquinoxAdapter:
     return _eqx().combine(state.params, state.model_state, self.static)
 
 
-class _Equinox:
+class _Equinox(PlainTrees):
   """Equinox models (``eqx.Module``, or a :func:`jaxamp.equinox.with_policy` view), and
   for the train step any other pytree of floating arrays."""
 
@@ -106,24 +106,6 @@ class _Equinox:
     rows = amp_eqx.module_policies(model, policy)
     return Split(EquinoxAdapter(static, recompute_norms), params, model_state, rows,
                  amp_eqx.fp8_rows(model, rows))
-
-  def plain(self, tree: Any) -> Any:
-    return tree
-
-  def is_node(self, x: Any) -> bool:
-    return False
-
-  def value(self, x: Any) -> Any:
-    return x
-
-  def state_reduction(self, leaf: Any) -> str | None:
-    return None
-
-  def holders(self, model: Any) -> dict[str, list[str]]:
-    return {}
-
-  def layer_gather_refusal(self, model: Any) -> str | None:
-    return None
 
   def arrays(self, model: Any, variables: Any) -> Any:
     return (model, variables)

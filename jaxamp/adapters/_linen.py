@@ -16,7 +16,7 @@ from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
 from jaxamp import gather
 from jaxamp import linen as amp_linen
-from jaxamp.adapters._common import check_in_range
+from jaxamp.adapters._common import PlainTrees, check_in_range
 from jaxamp.adapters._registry import Split
 from jaxamp.casting import widen_floating
 from jaxamp.policy import Policy, PolicyLike
@@ -102,7 +102,7 @@ def _is_pair(model: Any) -> bool:
   return isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)
 
 
-class _Linen:
+class _Linen(PlainTrees):
   """Flax Linen modules (a module, a :func:`jaxamp.linen.with_policy` wrapper, or a
   ``(module, variables)`` pair for :func:`jaxamp.summary`)."""
 
@@ -140,24 +140,6 @@ class _Linen:
     adapter = LinenAdapter(model, _wrap(model, policy, recompute_norms), recompute_norms,
                            _rng_streams(rng_streams, example_kwargs))
     return Split(adapter, variables["params"], model_state, rows, fp8_rows)
-
-  def plain(self, tree: Any) -> Any:
-    return tree
-
-  def is_node(self, x: Any) -> bool:
-    return False
-
-  def value(self, x: Any) -> Any:
-    return x
-
-  def state_reduction(self, leaf: Any) -> str | None:
-    return None  # 'batch_stats/...' is known by its path
-
-  def holders(self, model: Any) -> dict[str, list[str]]:
-    return {}
-
-  def layer_gather_refusal(self, model: Any) -> str | None:
-    return None
 
   def arrays(self, model: Any, variables: Any) -> Any:
     return (model, variables)
