@@ -8,7 +8,8 @@ Entry points:
   policies       ``get_policy('mixed_bfloat16')``, ``set_global_policy``, ``policy_scope``
   rules          ``set_policy(cls_or_path_glob, policy)``, ``policy_rules({...})``; norms
                  compute in float32 by default (``float32_compute``)
-  Flax models    ``jaxamp.nnx.with_policy(model)``, ``jaxamp.linen.with_policy(module)``
+  models         ``with_policy(model, policy)`` for Flax NNX, Flax Linen and Equinox models
+                 (``jaxamp.nnx`` / ``linen`` / ``equinox.with_policy`` take each one's options)
   train step     ``make_train_step(loss_fn, optimizer, policy=...)``: a ``TrainStep`` with
                  ``init``, ``step``, ``eval_step``, ``model``, ``trace``, ``lower``; loss
                  scaling, exact skips, accumulation; grouped options ``ShardingConfig``
@@ -65,6 +66,7 @@ from jaxamp.policy import (
 from jaxamp.residuals import half_residuals
 from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
+from jaxamp.adapters import with_policy
 from jaxamp.inference import convert_for_inference
 from jaxamp.summary import Summary, SummaryRow, summary
 from jaxamp.train import (
@@ -142,6 +144,7 @@ __all__ = [
     "Summary",
     "SummaryRow",
     "convert_for_inference",
+    "with_policy",
     "summary",
     "AutocastLists",
     "OPT_LEVELS",

@@ -292,3 +292,18 @@ def test_the_dispatch_check_finds_dispatch(tmp_path):
   for rel in ("train/init.py", "summary.py", "report.py", "inference.py"):
     source = (JAXAMP / rel).read_text()
     assert not _library_types(ast.parse(source)), rel
+
+
+def test_jaxamp_with_policy_dispatches_through_the_registry(case):
+  name, case = case
+  model, variables, _ = case.make()
+  lib = adapters.library_of(model)
+  mine = jaxamp.with_policy(model, "mixed_bfloat16")
+  assert type(mine) is type(lib.with_policy(model, "mixed_bfloat16"))
+  out = mine.apply(variables, X) if name == "linen" else case.call(mine, X)
+  assert out.dtype == jnp.bfloat16
+
+
+def test_jaxamp_with_policy_names_the_libraries_for_another_object():
+  with pytest.raises(TypeError, match=r"registered library \(nnx, linen, equinox\); got dict"):
+    jaxamp.with_policy({"w": jnp.ones(2)}, "mixed_bfloat16")

@@ -155,3 +155,28 @@ def library_of(model: Any, *, pytrees: bool = False) -> Library | None:
   if found is None and pytrees and any(is_floating_array(x) for x in jax.tree.leaves(model)):
     found = next((lib for lib in _LIBRARIES if lib.takes_pytrees), None)
   return found
+
+
+def with_policy(model: Any, policy: PolicyLike | None = None, *,
+                recompute_norms: bool = False) -> Any:
+  """``model`` running each module under its resolved policy, whichever registered
+  library it belongs to: :func:`jaxamp.nnx.with_policy` for an NNX module,
+  :func:`jaxamp.linen.with_policy` for a Linen module, :func:`jaxamp.equinox.with_policy`
+  for an Equinox model (each library's own keywords are on its function).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> from flax import nnx
+    >>> model = jaxamp.with_policy(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), 'mixed_bfloat16')
+    >>> model(jnp.ones((1, 4))).dtype
+    dtype(bfloat16)
+
+  Raises:
+    TypeError: no registered library takes ``model`` (the libraries are named).
+  """
+  library = library_of(model)
+  if library is None:
+    raise TypeError(f"with_policy takes a model of a registered library "
+                    f"({', '.join(lib.name for lib in _LIBRARIES)}); got "
+                    f"{type(model).__name__}.")
+  return library.with_policy(model, policy, recompute_norms=recompute_norms)
