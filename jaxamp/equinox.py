@@ -25,8 +25,7 @@ naming it. ``make_train_step`` trains Equinox models (and other pytrees) through
 :class:`jaxamp.adapters.EquinoxAdapter`. Under an FP8 policy (``'mixed_fp8'``) the
 matmul of each ``eqx.nn.Linear`` runs as :func:`jaxamp.fp8.scaled_dot_general`, with
 its state in the train step's FP8 state as for the Flax layers (under ``jax.vmap`` the
-amax a step records is the sum of the mapped examples' amaxes: JAX sums the history's
-cotangent over them).
+matmul runs once on the whole batch: one scale, the batch's amax).
 
 Example:
   >>> import jax, jax.numpy as jnp, equinox as eqx
@@ -52,6 +51,7 @@ import numpy as np
 from jaxamp import _warn_once
 from jaxamp import fp8 as fp8_lib
 from jaxamp import module_call
+from jaxamp import scaled
 from jaxamp.casting import at_least_float32, is_floating_array, read_as
 from jaxamp.census import module_matmuls
 from jaxamp.policy import Policy, PolicyLike, get_policy, global_policy
@@ -267,12 +267,43 @@ def _fp8_linear(info: _Info) -> Callable[..., Any]:
     dot = fp8_lib.dot_for(info.fp8_path, info.policy.fp8, f"Linear {info.fp8_path}")
     if self.in_features == "scalar":
       x = x.reshape(x.shape + (1,))
-    y = dot(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+    y = _one_matmul_per_batch(dot, info.fp8_path)(x, self.weight)
     if self.bias is not None:
       y = y + self.bias
     return y[..., 0] if self.out_features == "scalar" else y
 
   return call
+
+
+def _one_matmul_per_batch(dot: Callable[..., Any], path: str) -> Callable[[Any, Any], Any]:
+  """``x @ weight.T`` through the FP8 ``dot``, run once on a whole batch under
+  ``jax.vmap`` (the usual way to call an Equinox model on a batch).
+
+  Mapped example by example, each example would be quantized with its own scale and
+  the amaxes the dot hands back as the state's cotangent would be summed over the
+  examples; with the batch folded into the matmul's rows (a ``custom_vmap`` rule) the
+  batch is one tensor, as a Flax ``Dense`` sees it: one scale, the batch's amax. A
+  weight mapped too (an ensemble) is matmul'd example by example.
+  """
+
+  def matmul(x, w):
+    return dot(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+  @jax.custom_batching.custom_vmap
+  def batched(x, w):
+    return matmul(x, w)
+
+  @batched.def_vmap
+  def _rule(axis_size, in_batched, x, w):
+    del axis_size
+    scaled.retraced(path)  # this trace replaces the one custom_vmap made of `batched`
+    x_mapped, w_mapped = in_batched
+    if w_mapped:
+      return jax.vmap(matmul, in_axes=(0 if x_mapped else None, 0))(x, w), True
+    # The batch folded into the rows (a vmap around this one maps it example by example).
+    return matmul(x, w), True
+
+  return batched
 
 
 def _owns_slices(module: Any) -> bool:

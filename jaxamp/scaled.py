@@ -270,6 +270,15 @@ def name_modules(named: Mapping[int, str]) -> None:
     _local.scopes[-1].names.update(named)
 
 
+def retraced(path: str | None) -> None:
+  """Forgets that the module at ``path`` ran its matmul in this step: its matmul is
+  traced again to replace that trace, whose result is dropped (a ``custom_vmap`` rule
+  replacing the function's own trace), and is not a second run."""
+  scope = current()
+  if scope is not None and path is not None:
+    scope.used.discard(path)
+
+
 def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
   """The ``dot_general`` of the module at ``path`` (``what`` names it in messages) in the
   running scope: its format's, with its state.
