@@ -39,6 +39,7 @@ from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
 from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
+from jaxamp.rowwise import RowwiseScaling
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -87,13 +88,15 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import fp8, linen, nnx, scaled
+from jaxamp import fp8, linen, nnx, rowwise, scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
     "fp8",
+    "rowwise",
     "scaled",
+    "RowwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",
