@@ -17,7 +17,8 @@ Entry points:
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
-  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; other scaled
+  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
+                 (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; other scaled
                  formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
@@ -94,7 +95,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fp8",
-    "rowwise",
     "scaled",
     "RowwiseScaling",
     "CurrentScaling",

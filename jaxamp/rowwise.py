@@ -172,9 +172,10 @@ def _scaled_dot(a, b, dims, a_dtype, b_dtype, power_of_two):
   acc = lax.dot_general(qa, qb, dims, preferred_element_type=_F32)
   n_a_free = a.ndim - len(ac) - len(ab)
   n_b_free = b.ndim - len(bc) - len(bb)
-  inv_a = 1.0 / _out_scale(sa, ac, ab, True, n_b_free)
-  inv_b = 1.0 / _out_scale(sb, bc, bb, False, n_a_free)
-  return acc * inv_a * inv_b
+  # Divided one scale at a time (as q / s dequantizes): no product of two scales to
+  # overflow or underflow float32.
+  return acc / _out_scale(sa, ac, ab, True, n_b_free) / _out_scale(sb, bc, bb, False,
+                                                                     n_a_free)
 
 
 def _ranges_like(*xs):
