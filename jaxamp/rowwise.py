@@ -16,7 +16,9 @@ contraction:
   the batch (their contraction), or, with ``wgrad_high_precision=True`` (torchao's
   ``rowwise_with_gw_hp``), in the compute dtype without quantization.
 
-Products are accumulated in float32 and returned in the compute dtype.
+Products are accumulated in float32 and returned in the compute dtype. The backward
+pass keeps the input and the kernel in the compute dtype (each backward matmul quantizes
+them along its own contraction), as torchao does.
 
 The scale rule (for each row, ``amax = max |x|`` over the contracted dimensions; FP8's
 multiplier, what a value is multiplied by before the cast): ``s = FP8_MAX /
