@@ -239,3 +239,59 @@ def test_batch_and_multi_axis_contractions_scale_per_row_as_the_2d_dot(wgrad_hp)
                        jax.jit(jax.value_and_grad(f_v, (0, 1)))(a, b)):
     for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+
+
+_MESH_SCRIPT = """
+import sys, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter('ignore')
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import jaxamp
+assert jax.device_count() == 4, jax.devices()
+rng = np.random.RandomState(0)
+x = rng.randn(16, 8).astype(np.float32) * np.repeat([1.0, 0.1, 10.0, 1.0], 4)[:, None]
+c = rng.randn(16, 4).astype(np.float32)
+rowwise = jaxamp.get_policy('mixed_fp8_rowwise')
+out = {{}}
+for key, policy in [('bf16', 'mixed_bfloat16'), ('fp8', rowwise),
+                    ('hp', rowwise.with_fp8(jaxamp.RowwiseScaling(wgrad_high_precision=True)))]:
+  for name, kw in [('one', {{}}),
+                   ('mesh', dict(sharding=jaxamp.ShardingConfig(
+                       mesh=jax.make_mesh((4,), ('data',)))))]:
+    train = jaxamp.make_train_step(
+        lambda m, b: jnp.mean((m(b['x']).astype(jnp.float32) - b['c']) ** 2),
+        optax.sgd(0.1), policy=policy, **kw)
+    state = train.init(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    k0 = np.asarray(state.params['kernel'])
+    state, metrics = train.step(state, {{'x': jnp.asarray(x), 'c': jnp.asarray(c)}})
+    out[key, name] = (float(metrics['loss']), np.asarray(state.params['kernel']) - k0,
+                      None if key == 'bf16' else np.asarray(state.scaled['']))
+diff = {{k: float(np.abs(out[k, 'mesh'][1] - out[k, 'one'][1]).max()) for k in ('bf16', 'fp8', 'hp')}}
+size = float(np.abs(out['bf16', 'one'][1]).max())
+print(diff, size)
+for key in ('fp8', 'hp'):
+  # The forward's scales are per row: the same whatever the split, so the loss is too,
+  # to the order of the mean's sum (mixed_fp8_current's differs by FP8 rounding).
+  np.testing.assert_allclose(out[key, 'mesh'][0], out[key, 'one'][0], rtol=1e-6)
+  # The amaxes are maxed over the devices: one device's, for the whole batch.
+  np.testing.assert_array_equal(out[key, 'mesh'][2], out[key, 'one'][2])
+# The update: with the weight gradient in bfloat16, as far from one device's as
+# mixed_bfloat16's is (summation order); in FP8 its column scales are each device's
+# own (a quarter of the batch), E5M2's rounding (2 mantissa bits) on top.
+assert diff['hp'] <= 1.5 * diff['bf16'] + 1e-6, diff
+assert diff['fp8'] <= 0.1 * size, (diff, size)
+print('MESH-OK')
+"""
+
+
+@pytest.mark.slow  # a subprocess with 4 CPU devices, as tests/test_scaled.py's
+def test_on_a_mesh_the_loss_is_one_devices_and_the_update_close(tmp_path):
+  import os
+  from train_helpers import ROOT, run_script
+
+  out = run_script(_MESH_SCRIPT.format(root=ROOT), tmp_path, "mesh.py",
+                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                                 + os.environ.get("XLA_FLAGS", ""),
+                    "JAX_PLATFORMS": "cpu"})
+  assert "MESH-OK" in out, out
