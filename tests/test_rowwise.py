@@ -267,7 +267,8 @@ for key, policy in [('bf16', 'mixed_bfloat16'), ('fp8', rowwise),
     state, metrics = train.step(state, {{'x': jnp.asarray(x), 'c': jnp.asarray(c)}})
     out[key, name] = (float(metrics['loss']), np.asarray(state.params['kernel']) - k0,
                       None if key == 'bf16' else np.asarray(state.scaled['']))
-diff = {{k: float(np.abs(out[k, 'mesh'][1] - out[k, 'one'][1]).max()) for k in ('bf16', 'fp8', 'hp')}}
+diff = {{k: float(np.abs(out[k, 'mesh'][1] - out[k, 'one'][1]).max())
+        for k in ('bf16', 'fp8', 'hp')}}
 size = float(np.abs(out['bf16', 'one'][1]).max())
 print(diff, size)
 for key in ('fp8', 'hp'):
