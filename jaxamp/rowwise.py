@@ -26,11 +26,11 @@ max(amax, 1e-12)`` (torchao's ``amax_to_scale``, its ``EPS = 1e-12``), i.e. a de
 scale ``amax / 448`` for E4M3; with ``power_of_two=True`` the multiplier is rounded *down*
 to a power of two, ``s = 2**floor(log2(s))`` (torchao's
 ``_round_scale_down_to_power_of_2``, ``torch.exp2(torch.floor(torch.log2(scale)))``,
-applied with ``round_scales_to_power_of_2=True``), so a scaled value never exceeds
-``FP8_MAX``. A row whose amax is 0 (all zeros) or not finite gets ``s = 1`` (torchao
+applied with ``round_scales_to_power_of_2=True``; computed here exactly, by clearing
+the float32 multiplier's mantissa bits), so a scaled value never exceeds ``FP8_MAX``. A row whose amax is 0 (all zeros) or not finite gets ``s = 1`` (torchao
 clamps the zero amax to 1e-12 instead: the same zeros). The quantized value is
 ``clip(x * s, -FP8_MAX, FP8_MAX)`` cast to FP8 (round to nearest even), except that a
-non-finite element becomes NaN (E4M3 has no inf): an inf or NaN in an operand makes its
+non-finite element becomes NaN (E4M3 has no inf; E5M2's is not used): an inf or NaN in an operand makes its
 row of the product NaN, so the step's gradients are non-finite and it is skipped
 exactly, as without FP8. Dequantized: ``q / s``.
 

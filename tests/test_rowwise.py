@@ -69,9 +69,9 @@ def adversarial():
 
 
 @pytest.mark.parametrize("power_of_two, dtype, axis", [
-    (False, E4M3, 1), (True, E4M3, 1), (True, E5M2, 1),
+    (False, E4M3, 1), (True, E4M3, 1),
     *(pytest.param(*p, marks=pytest.mark.slow)  # main tier: < 10 CPU-seconds in all
-      for p in [(False, E5M2, 1), (False, E4M3, 0), (True, E5M2, 0)])])
+      for p in [(True, E5M2, 1), (False, E5M2, 1), (False, E4M3, 0), (True, E5M2, 0)])])
 def test_quantize_equals_the_numpy_rule_bit_for_bit(power_of_two, dtype, axis):
   for x in (np.random.RandomState(1).randn(8, 16).astype(np.float32) * 5, adversarial()):
     q, s = jax.jit(rowwise.quantize, static_argnums=(1, 2, 3))(jnp.asarray(x), (axis,),
@@ -93,11 +93,12 @@ def test_quantize_equals_the_numpy_rule_bit_for_bit(power_of_two, dtype, axis):
     assert np.isnan(d[5, 3]) and np.isnan(d[6, 7]) and np.all(np.isfinite(d[:5]))
 
 
-def test_the_dot_is_the_product_of_the_dequantized_operands():
+@pytest.mark.parametrize("power_of_two", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_dot_is_the_product_of_the_dequantized_operands(power_of_two):
   rng = np.random.RandomState(2)
   x = (rng.randn(6, 16) * np.logspace(-3, 3, 6)[:, None]).astype(np.float32)
   w = (rng.randn(16, 5) * np.logspace(-2, 2, 5)[None, :]).astype(np.float32)
-  for p2 in (False, True):
+  for p2 in (power_of_two,):
     dot = jax.jit(lambda x, w, p2=p2: rowwise.rowwise_dot_general(
         x, w, DIMS, recipe=jaxamp.RowwiseScaling(power_of_two=p2)))
     got = np.asarray(dot(jnp.asarray(x), jnp.asarray(w)))
