@@ -18,7 +18,8 @@ Entry points:
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
-  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; other scaled
+  FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
+                 (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; other scaled
                  formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
@@ -40,6 +41,7 @@ from jaxamp.autocast import autocast
 from jaxamp.casting import cast_floating
 from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
+from jaxamp.rowwise import RowwiseScaling
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -89,13 +91,14 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import fp8, linen, nnx, scaled
+from jaxamp import fp8, linen, nnx, rowwise, scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
     "fp8",
     "scaled",
+    "RowwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",
