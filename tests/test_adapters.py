@@ -308,3 +308,18 @@ def test_jaxamp_with_policy_dispatches_through_the_registry(case):
 def test_jaxamp_with_policy_names_the_libraries_for_another_object():
   with pytest.raises(TypeError, match=r"registered library \(nnx, linen, equinox\); got dict"):
     jaxamp.with_policy({"w": jnp.ones(2)}, "mixed_bfloat16")
+
+
+def test_the_train_step_and_inspection_import_no_model_library():
+  # They reach Flax and Equinox only through the registry (the state nodes a step walks
+  # included: adapters.is_node / value_of), so no type of a library can creep back in.
+  found = {}
+  for path in [*sorted((JAXAMP / "train").glob("*.py")),
+               *(JAXAMP / rel for rel in ("summary.py", "report.py", "inference.py"))]:
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      for name in names:
+        if name.split(".")[0] in ("flax", "equinox"):
+          found.setdefault(path.relative_to(JAXAMP).as_posix(), []).append(name)
+  assert not found, found

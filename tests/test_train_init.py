@@ -270,3 +270,14 @@ def test_policy_wrapped_models_are_unwrapped():
 def test_opt_level_excludes_policy():
   with pytest.raises(ValueError, match="either policy= or opt_level="):
     jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float32", opt_level="O1")
+
+
+def test_a_state_holding_nnx_nodes_is_named_with_the_fix():
+  # The step's state holds nnx.to_pure_dict trees; an nnx.State put in its place is
+  # recognized through the adapter registry (adapters.is_node), and the fix named.
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1))
+  state = train.init(model)
+  with pytest.raises(ValueError, match=r"its params holds nnx.State or nnx.Variable nodes.*"
+                     r"pass nnx.to_pure_dict\(...\) of it as params"):
+    train.step(state._replace(params=nnx.state(model, nnx.Param)), jnp.ones((2, 4)))

@@ -13,7 +13,7 @@ Example:
 """
 
 from jaxamp.adapters._registry import (Adapter, Library, Split, libraries, library_of,
-                                       register, with_policy)
+                                       register, with_policy, is_node, value_of)
 from jaxamp.adapters._common import module_params
 from jaxamp.adapters._nnx import NNX, Float32Outputs, NNXAdapter
 from jaxamp.adapters._linen import LINEN, LinenAdapter, stream_keys
@@ -23,6 +23,6 @@ register(NNX)
 register(LINEN)
 register(EQUINOX)
 
-__all__ = ["Adapter", "Library", "Split", "libraries", "library_of", "register", "with_policy",
+__all__ = ["Adapter", "Library", "Split", "libraries", "library_of", "register", "with_policy", "is_node", "value_of",
            "module_params", "NNX", "LINEN", "EQUINOX", "NNXAdapter", "LinenAdapter",
            "EquinoxAdapter", "Float32Outputs", "stream_keys"]

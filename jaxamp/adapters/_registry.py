@@ -180,3 +180,25 @@ def with_policy(model: Any, policy: PolicyLike | None = None, *,
                     f"({', '.join(lib.name for lib in _LIBRARIES)}); got "
                     f"{type(model).__name__}.")
   return library.with_policy(model, policy, recompute_norms=recompute_norms)
+
+
+def is_node(x: Any) -> bool:
+  """Whether ``x`` is a node of a registered library's state trees that holds an array
+  (an ``nnx.Variable``): a leaf where the train step walks params, gradients or state.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxamp import adapters
+    >>> adapters.is_node(nnx.Param(jnp.ones(2))), adapters.is_node(jnp.ones(2))
+    (True, False)
+  """
+  return any(lib.is_node(x) for lib in _LIBRARIES)
+
+
+def value_of(x: Any) -> Any:
+  """The array a library's state node holds (:func:`is_node`), or ``x`` itself."""
+  for lib in _LIBRARIES:
+    if lib.is_node(x):
+      return lib.value(x)
+  return x

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jaxamp import adapters
 from jaxamp import gather as gather_lib
 from jaxamp import scaled as scaled_lib
 from jaxamp.casting import at_least_float32
@@ -104,7 +104,7 @@ def _param_names(plan: Plan) -> list[str]:
 
 def _names(tree: Any) -> list[str]:
   return [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
+      tree, is_leaf=adapters.is_node)[0]]
 
 
 def _check_same_structure(before: Any, after: Any) -> None:

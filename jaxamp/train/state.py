@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jaxamp import adapters
 from jaxamp.rules import path_name
 
 __all__ = ["TrainState", "MasterWeightsState", "abstract_state"]
@@ -117,14 +117,13 @@ def is_key(x: Any) -> bool:
 
 
 def value_of(x: Any) -> Any:
-  """The array an ``nnx.Variable`` holds, or ``x`` itself."""
-  return x.get_value() if isinstance(x, nnx.Variable) else x
+  """The array an ``nnx.Variable`` (a library's state node) holds, or ``x`` itself."""
+  return adapters.value_of(x)
 
 
 def _holds_nnx_nodes(tree: Any) -> bool:
-  nodes = (nnx.State, nnx.Variable)
-  return any(isinstance(x, nodes)
-             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nodes)))
+  """Whether ``tree`` holds a library's state nodes (an ``nnx.State`` holds Variables)."""
+  return any(map(adapters.is_node, jax.tree.leaves(tree, is_leaf=adapters.is_node)))
 
 
 def mismatch(state: Any, expected: Any) -> str | None:
@@ -159,7 +158,7 @@ def check_trainable(params: Any, model: str) -> None:
   """Refuses, naming the fix, parameters a gradient step cannot train: none at all, or
   ones that are not floating (``jax.grad`` takes floating inputs only)."""
   found = jax.tree_util.tree_flatten_with_path(
-      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+      params, is_leaf=adapters.is_node)[0]
   if not found:
     raise ValueError(
         f"init found no parameters to train in {model}: the train step differentiates "

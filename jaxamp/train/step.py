@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from jaxamp import adapters
 from jaxamp import gather
 from jaxamp import loss_scale as _ls
 from jaxamp import scaled as scaled_lib
@@ -79,7 +79,7 @@ def _metrics(plan: Plan, state: TrainState, new: update.Applied, grads: Any,
     metrics["params_finite"] = new.params_finite
   if plan.options.debug.nonfinite_grads:
     leaves = jax.tree_util.tree_flatten_with_path(
-        grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        grads, is_leaf=adapters.is_node)[0]
     metrics["nonfinite_grads"] = {
         path_name(path): jnp.logical_not(_ls.all_finite(g)) for path, g in leaves}
   if plan.options.has_aux:
