@@ -23,6 +23,7 @@ register(NNX)
 register(LINEN)
 register(EQUINOX)
 
-__all__ = ["Adapter", "Library", "Split", "libraries", "library_of", "register", "with_policy", "is_node", "value_of",
+__all__ = ["Adapter", "Library", "Split", "libraries", "library_of", "register",
+           "with_policy", "is_node", "value_of",
            "module_params", "NNX", "LINEN", "EQUINOX", "NNXAdapter", "LinenAdapter",
            "EquinoxAdapter", "Float32Outputs", "stream_keys"]

@@ -25,7 +25,8 @@ from jaxamp.policy import Policy
 from jaxamp import rules as rules_lib
 from jaxamp.rules import norm_defaults
 from jaxamp import gather as gather_lib
-from jaxamp.train.config import STATE_REDUCTIONS, DebugConfig, MemoryConfig, ShardingConfig
+from jaxamp.train.config import (DEPRECATED, STATE_REDUCTIONS, DebugConfig, MemoryConfig,
+                                 ShardingConfig)
 from jaxamp.train.loss import check_signature
 
 __all__ = ["Options", "OptionsView", "Plan", "STATE_REDUCTIONS", "level_rules", "rules_in_force", "autocast_under_level"]
@@ -84,9 +85,10 @@ def _option(name: str, doc: str) -> property:
   return property(lambda self: getattr(self.options, name), doc=doc)
 
 
-def _moved(config: str, name: str, field: str | None = None) -> property:
-  """A former ``TrainStep`` attribute, read from its config with a DeprecationWarning."""
-  field = field or name
+def _moved(name: str) -> property:
+  """A former ``TrainStep`` attribute, read from the config that owns its keyword now
+  (:data:`~jaxamp.train.config.DEPRECATED`) with a DeprecationWarning."""
+  config, _, field = DEPRECATED[name]
 
   def read(self: Any) -> Any:
     warnings.warn(f"TrainStep.{name} is deprecated; read train.{config}.{field}.",
@@ -116,12 +118,12 @@ class OptionsView:
   memory = _option("memory", "The MemoryConfig: donation, master weights, recomputation.")
   debug = _option("debug", "The DebugConfig: non-finite gradients, skipped-step warnings.")
   # Read as attributes before the configs; kept for this release.
-  mesh = _moved("sharding", "mesh")
-  batch_axis = _moved("sharding", "batch_axis")
-  param_sharding = _moved("sharding", "param_sharding")
-  grad_reduce_dtype = _moved("sharding", "grad_reduce_dtype")
-  donate = _moved("memory", "donate")
-  debug_nonfinite = _moved("debug", "debug_nonfinite", "nonfinite_grads")
+  mesh = _moved("mesh")
+  batch_axis = _moved("batch_axis")
+  param_sharding = _moved("param_sharding")
+  grad_reduce_dtype = _moved("grad_reduce_dtype")
+  donate = _moved("donate")
+  debug_nonfinite = _moved("debug_nonfinite")
 
 
 @dataclasses.dataclass(frozen=True)

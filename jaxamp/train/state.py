@@ -116,11 +116,6 @@ def is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def value_of(x: Any) -> Any:
-  """The array an ``nnx.Variable`` (a library's state node) holds, or ``x`` itself."""
-  return adapters.value_of(x)
-
-
 def _holds_nnx_nodes(tree: Any) -> bool:
   """Whether ``tree`` holds a library's state nodes (an ``nnx.State`` holds Variables)."""
   return any(map(adapters.is_node, jax.tree.leaves(tree, is_leaf=adapters.is_node)))
@@ -165,8 +160,8 @@ def check_trainable(params: Any, model: str) -> None:
         "the model's nnx.Param variables (Linen: its 'params' collection). State it "
         "only reads (a plain nnx.Variable, a buffer) is not trained; hold what should "
         "be trained in an nnx.Param.")
-  wrong = [f"{path_name(path) or '(model)'} ({np.dtype(value_of(x).dtype).name})"
-           for path, x in found if not jnp.issubdtype(value_of(x).dtype, jnp.inexact)]
+  wrong = [f"{path_name(path) or '(model)'} ({np.dtype(adapters.value_of(x).dtype).name})"
+           for path, x in found if not jnp.issubdtype(adapters.value_of(x).dtype, jnp.inexact)]
   if wrong:
     raise ValueError(
         f"init found parameters of {model} that are not floating: {', '.join(wrong)}. "
