@@ -91,13 +91,20 @@ _ALIASES = {"fp16": "float16", "fp32": "float32", "fp64": "float64", "bf16": "bf
             "float8_e4m3fn": "mixed_fp8", "float8_e5m2": "mixed_fp8"}
 
 
+def _all_names() -> tuple[str, ...]:
+  """The built-in policy names and those registered scaled formats add."""
+  return POLICY_NAMES + tuple(n for n in scaled.policy_names() if n not in POLICY_NAMES)
+
+
 def _valid() -> str:
-  return (f"Valid: {', '.join(repr(n) for n in POLICY_NAMES)}, or a jmp string such as "
+  return (f"Valid: {', '.join(repr(n) for n in _all_names())}, or a jmp string such as "
           "'p=f32,c=bf16' (params, compute, output, fp8); see help(jaxamp.get_policy).")
 
 
-def _did_you_mean(spec: str, choices: Any = POLICY_NAMES) -> str:
-  """`` Did you mean 'x'?`` for a near miss of one of ``choices``, else ``''``."""
+def _did_you_mean(spec: str, choices: Any = None) -> str:
+  """`` Did you mean 'x'?`` for a near miss of one of ``choices`` (default: the policy
+  names, registered ones included), else ``''``."""
+  choices = _all_names() if choices is None else choices
   s = spec.strip().lower().replace("-", "_").replace(" ", "_")
   mixed = s.startswith("mixed_")
   body = s[len("mixed_"):] if mixed else s
@@ -143,7 +150,7 @@ def _to_dtype(value: Any, what: str) -> np.dtype:
   if dtype not in _SUPPORTED:
     raise ValueError(
         f"{what} cannot be {dtype}: policies take float16, bfloat16, float32 or float64. "
-        "8-bit floats need per-tensor scaling, which a policy dtype cannot give: for FP8 "
+        "8-bit floats need scaling, which a policy dtype cannot give: for FP8 "
         "matmuls use the FP8 mode, get_policy('mixed_fp8') (delayed scaling) or "
         "'mixed_fp8_current', or Policy(jnp.float32, jnp.bfloat16, fp8=jaxamp.DelayedScaling()); "
         "parameters stay float32.")
@@ -294,8 +301,8 @@ def _parse_token(token: str, spec: str) -> Any:
     return _half_dtype()
   if token.startswith(("float8", "f8", "fp8")):
     if "=" not in spec:
-      raise _unknown(spec, f"{spec!r}: 8-bit floats need per-tensor scaling (FP8 mode).")
-    raise ValueError(f"Policy {spec!r} asks for {token}: 8-bit floats need per-tensor scaling, "
+      raise _unknown(spec, f"{spec!r}: 8-bit floats need scaling: an FP8 policy.")
+    raise ValueError(f"Policy {spec!r} asks for {token}: 8-bit floats need scaling, "
                      "which a policy dtype cannot give. For FP8 matmuls use 'mixed_fp8' "
                      "(delayed scaling), 'mixed_fp8_current', or add fp8=delayed / "
                      "fp8=current to a policy string ('p=f32,c=bf16,fp8=delayed').")
@@ -336,8 +343,9 @@ def _parse_string(spec: str) -> Policy:
     if _KEYS[key] == "fp8":
       if value.strip() not in ("delayed", "current") and scaled.recipe_named(
           value.strip()) is None:
+        takes = dict.fromkeys(("delayed", "current") + scaled.recipe_names())
         raise ValueError(f"Unknown FP8 recipe {value.strip()!r} in policy {spec!r}: fp8= "
-                         "takes 'delayed' or 'current'.")
+                         f"takes {', '.join(repr(n) for n in takes)}.")
       found["fp8"] = value.strip()
       continue
     found[_KEYS[key]] = _parse_token(value, spec)

@@ -105,6 +105,9 @@ def check_recipe(recipe: Any) -> Any:
   if isinstance(recipe, str) and scaled.recipe_named(recipe) is not None:
     return scaled.recipe_named(recipe)
   if not isinstance(recipe, (DelayedScaling, CurrentScaling)) and not scaled.is_recipe(recipe):
+    names = ", ".join(repr(n) for n in dict.fromkeys(("delayed", "current")
+                                                     + scaled.recipe_names()))
     raise ValueError(f"fp8 must be jaxamp.DelayedScaling(...), jaxamp.CurrentScaling(...), "
-                     f"'delayed' or 'current' (or None for no FP8), got {recipe!r}.")
+                     f"another registered recipe, a name ({names}) or None for no FP8; "
+                     f"got {recipe!r}.")
   return recipe

@@ -199,6 +199,16 @@ def policy_recipe(name: str) -> Any:
   return None if make is None else make()
 
 
+def policy_names() -> tuple[str, ...]:
+  """The policy names registered formats add (``'mixed_fp8_rowwise'``), in order."""
+  return tuple(_POLICIES)
+
+
+def recipe_names() -> tuple[str, ...]:
+  """The short names registered formats add for ``fp8=`` in policy strings."""
+  return tuple(_NAMES)
+
+
 def policy_name(recipe: Any) -> str | None:
   """The registered policy name whose recipe equals ``recipe``, or None."""
   return next((name for name, make in _POLICIES.items() if make() == recipe), None)

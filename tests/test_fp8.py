@@ -101,8 +101,8 @@ def test_fp8_param_dtype_points_at_the_fp8_mode(spec):
 def test_bad_fp8_recipes():
   with pytest.raises(ValueError, match="DelayedScaling.*CurrentScaling.*'delayed'"):
     jaxamp.Policy(jnp.float32, jnp.bfloat16, fp8="hybrid")
-  with pytest.raises(ValueError, match="'delayed' or 'current'"):
-    jaxamp.get_policy("p=f32,c=bf16,fp8=mxfp8")
+  with pytest.raises(ValueError, match="fp8= takes 'delayed', 'current'"):
+    jaxamp.get_policy("p=f32,c=bf16,fp8=hybrid")
   with pytest.raises(ValueError, match="amax_compute_algo.*'max', 'most_recent'"):
     jaxamp.DelayedScaling(amax_compute_algo="mean")
   with pytest.raises(ValueError, match="amax_history_len"):

@@ -77,12 +77,22 @@ def test_bad_specs_list_what_is_valid(bad):
     jaxamp.get_policy(bad)
   msg = str(err.value)
   if not (isinstance(bad, str) and "=" in bad and ":" not in bad and "x=" not in bad):
-    for name in jaxamp.POLICY_NAMES:
+    for name in jaxamp.POLICY_NAMES + jaxamp.scaled.policy_names():
       assert repr(name) in msg
     assert "'p=f32,c=bf16'" in msg
   else:  # a bad dtype inside a jmp string lists the dtype tokens
     assert "bf16" in msg and "half" in msg
-  assert len(msg) <= 320, msg  # short enough to read
+  # Short enough to read: the registered formats' names are what lengthens it.
+  registered = sum(len(repr(n)) + 2 for n in jaxamp.scaled.policy_names())
+  assert len(msg) <= 320 + registered, msg
+
+
+def test_registered_policy_names_are_suggested_and_listed():
+  with pytest.raises(ValueError, match="Did you mean 'mixed_fp8_rowwise'\\?") as err:
+    jaxamp.get_policy("mixed_fp8_rowwis")
+  assert "'mixed_fp8_rowwise'" in str(err.value).split("Valid:")[1]
+  with pytest.raises(ValueError, match="fp8= takes 'delayed', 'current', .*'rowwise'"):
+    jaxamp.get_policy("p=f32,c=bf16,fp8=roww")
 
 
 @pytest.mark.parametrize("bad,suggestion", [
