@@ -102,7 +102,6 @@ __all__ = [
     "scaled",
     "RowwiseScaling",
     "MXFP8Scaling",
-    "mxfp8",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",

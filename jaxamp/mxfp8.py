@@ -54,12 +54,12 @@ lowered for CUDA calls cuDNN's block-scaled GEMM instead (``jax.nn.scaled_matmul
 round-up rule.
 
 Example:
-  >>> import jax.numpy as jnp, jaxamp
+  >>> import jax, jax.numpy as jnp, jaxamp
   >>> x = jnp.arange(64.0).reshape(2, 32)      # two blocks (rows), amax 31 and 63
-  >>> q, s = jaxamp.mxfp8.quantize(x)
+  >>> q, s = jax.jit(jaxamp.mxfp8.quantize)(x)
   >>> q.dtype, s.dtype, s.shape, s.astype(jnp.float32)[:, 0].tolist()
   (dtype(float8_e4m3fn), dtype(float8_e8m0fnu), (2, 1), [0.125, 0.25])
-  >>> jaxamp.mxfp8.dequantize(q, s)[1, -4:].tolist()    # 60..63 / 0.25 in E4M3, read back
+  >>> jax.jit(jaxamp.mxfp8.dequantize)(q, s)[1, -4:].tolist()  # 60..63 / 0.25 in E4M3
   [60.0, 60.0, 64.0, 64.0]
   >>> jaxamp.get_policy('mixed_mxfp8').fp8
   MXFP8Scaling(scale_rule='round_up', cudnn=False)
@@ -200,7 +200,9 @@ def quantize(x: jax.Array, scale_rule: str = "round_up") -> tuple[jax.Array, jax
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
-    >>> q, s = jaxamp.mxfp8.quantize(jnp.array([[1.0, 500.0, 3.0], [1.0, 500.0, jnp.nan]]))
+    >>> import jax
+    >>> x = jnp.array([[1.0, 500.0, 3.0], [1.0, 500.0, jnp.nan]])
+    >>> q, s = jax.jit(jaxamp.mxfp8.quantize)(x)
     >>> q.astype(jnp.float32).tolist()    # scale 2: 500 / 2 = 250 rounds to 256 in E4M3
     [[0.5, 256.0, 1.5], [nan, nan, nan]]
     >>> s.astype(jnp.float32).tolist()    # a block with a NaN: the NaN scale
@@ -342,8 +344,10 @@ def mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
+    >>> import jax
     >>> x, w = jnp.ones((2, 40)), jnp.full((40, 3), 0.5)   # 40: padded to 2 blocks
-    >>> jaxamp.mxfp8.mxfp8_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()
+    >>> dot = jax.jit(jaxamp.mxfp8.mxfp8_dot_general, static_argnums=2)
+    >>> dot(x, w, (((1,), (0,)), ((), ()))).tolist()
     [[20.0, 20.0, 20.0], [20.0, 20.0, 20.0]]
   """
   del precision
