@@ -324,3 +324,20 @@ def test_batch_and_multi_axis_contractions_block_as_the_2d_dot():
                        jax.jit(jax.value_and_grad(f_v, (0, 1)))(a, b)):
     for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_train_step_lowered_for_cuda_runs_its_products_block_scaled():
+  """The whole step lowered for CUDA: the forward and weight-gradient products (the
+  input's gradient is not needed) as jax.lax.scaled_dot composites, or with cudnn=True
+  as cuDNN's block-scaled GEMM custom call."""
+  for recipe, composites, cudnn_calls in [(jaxamp.MXFP8Scaling(), 2, 0),
+                                          (jaxamp.MXFP8Scaling(cudnn=True), 0, 2)]:
+    policy = jaxamp.get_policy("mixed_mxfp8").with_fp8(recipe)
+    train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b["x"]).astype(jnp.float32) ** 2),
+                                   optax.sgd(0.1), policy=policy)
+    state = train.init(nnx.Linear(64, 32, rngs=nnx.Rngs(0)))
+    text = train.lower(state, {"x": jnp.ones((16, 64))}, platforms=("cuda",)).as_text()
+    assert text.count('stablehlo.composite "xla.scaled_dot"') == composites
+    assert text.count("custom_call @__op$block_scaled_dot") == cudnn_calls
+    assert "tensor<16x2xf8E8M0FNU>" in text  # the input's scales, [M, K / 32]
