@@ -49,6 +49,14 @@ EXTRA_ROWS = [
     dict(model="linen", layout="replicated", policy="mixed_fp8", accum=1, state="none",
          fault="none", residuals="half", batch="arrays",
          optimizer="sgd, average of the params", resume="mixed_float16"),
+    # OCP MX FP8 (issue 43): block scales along each product's contraction.
+    dict(model="nnx", layout="fsdp", policy="mixed_mxfp8", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", **EXTRA),
+    dict(model="linen", layout="replicated", policy="mixed_mxfp8", accum=1,
+         state="batchnorm", fault="none", residuals="plain", batch="typed key", **EXTRA),
+    dict(model="equinox", layout="logical rules", policy="mixed_mxfp8", accum=1,
+         state="none", fault="inf on one device", residuals="half", batch="arrays",
+         **EXTRA),
 ]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}

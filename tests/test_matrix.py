@@ -44,6 +44,9 @@ TOLERANCE = {
     "mixed_fp8": 3e-3,
     "mixed_fp8_current": 2e-2,
     "p=f32,c=f16,fp8=delayed": 5e-4,
+    # MXFP8's blocks run along each product's contraction: the weight gradient's along
+    # the batch, so a device's blocks hold its own rows (measured: 2.3e-4 at most).
+    "mixed_mxfp8": 1e-3,
 }
 # Relative difference of the FP8 state (amax histories, scales). Delayed scaling takes the
 # amax maximum over the devices, so it is one device's up to what the half-precision
