@@ -19,7 +19,8 @@ Entry points:
                  ``scale_loss`` and ``get_loss_scale``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
   FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
-                 (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; other scaled
+                 (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; DeepSeek-V3's 1x128 /
+                 128x128 blocks (``'mixed_fp8_block'``) in ``jaxamp.block``; other scaled
                  formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
@@ -42,6 +43,7 @@ from jaxamp.casting import cast_floating
 from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxamp.rowwise import RowwiseScaling
+from jaxamp.block import BlockScaling
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -91,7 +93,7 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import fp8, linen, nnx, rowwise, scaled
+from jaxamp import block, fp8, linen, nnx, rowwise, scaled
 
 __version__ = "0.1.0"
 
@@ -99,6 +101,7 @@ __all__ = [
     "fp8",
     "scaled",
     "RowwiseScaling",
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",
