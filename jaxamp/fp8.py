@@ -280,6 +280,11 @@ class PerTensorFp8(scaled.ScaledFormat):
     history = jnp.roll(state.amax_history, 1, axis=1).at[:, 0].set(newest)
     return update_scales(Fp8Meta(history, state.scale), recipe)
 
+  def describe(self, recipe: Fp8Recipe) -> str:
+    """``'fp8 e4m3fn/e5m2 per-tensor delayed'`` (or ``current``)."""
+    kind = "delayed" if isinstance(recipe, DelayedScaling) else "current"
+    return f"fp8 e4m3fn/e5m2 per-tensor {kind}"
+
   def stateless_warning(self, recipe: Fp8Recipe, what: str) -> str | None:
     if not isinstance(recipe, DelayedScaling):
       return None  # current scaling keeps no scale: it runs the same without state

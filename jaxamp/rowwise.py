@@ -300,6 +300,12 @@ class RowwiseFp8(scaled.ScaledFormat):
   def stateless_warning(self, recipe: RowwiseScaling, what: str) -> str | None:
     return None  # current scaling: the same without state
 
+  def describe(self, recipe: RowwiseScaling) -> str:
+    """``'fp8 e4m3fn/e5m2 rowwise'``: E4M3 forward, E5M2 output gradient (``', pow2
+    scales'``, ``', wgrad in compute dtype'`` with the options)."""
+    return ("fp8 e4m3fn/e5m2 rowwise" + (", pow2 scales" if recipe.power_of_two else "")
+            + (", wgrad in compute dtype" if recipe.wgrad_high_precision else ""))
+
 
 ROWWISE = RowwiseFp8()
 scaled.register(RowwiseScaling, ROWWISE, names={"rowwise": RowwiseScaling},

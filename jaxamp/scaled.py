@@ -61,6 +61,7 @@ from jaxamp import _warn_once
 
 __all__ = [
     "ScaledFormat",
+    "describe",
     "format_of",
     "is_recipe",
     "kept_on_skip",
@@ -117,6 +118,13 @@ class ScaledFormat(abc.ABC):
     """The state a skipped step (non-finite gradients) keeps: the old one by default."""
     del new, recipe
     return old
+
+  def describe(self, recipe: Any) -> str:
+    """What :func:`jaxamp.precision_report` and :func:`jaxamp.summary` call a matmul run
+    with ``recipe``: its operand formats and what one scale covers (``'fp8 e4m3fn
+    rowwise'``). Optional: by default the format's ``name``."""
+    del recipe
+    return self.name
 
   def stateless_warning(self, recipe: Any, what: str) -> str | None:
     """The warning for a module run in a train step without state (inside
@@ -185,6 +193,30 @@ def format_of(recipe: Any) -> ScaledFormat:
     raise ValueError(f"{recipe!r} is not a recipe of a registered scaled format "
                      f"(registered: {known}); see jaxamp.scaled.register.")
   return fmt
+
+
+def describe(recipe: Any) -> str:
+  """What ``recipe``'s format calls its matmuls (:meth:`ScaledFormat.describe`; a format
+  without the method: its ``name``).
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.scaled.describe(jaxamp.DelayedScaling())
+    'fp8 e4m3fn/e5m2 per-tensor delayed'
+  """
+  fmt = format_of(recipe)
+  method = getattr(fmt, "describe", None)
+  return str(method(recipe)) if callable(method) else fmt.name
+
+
+# The named scope each scaled matmul runs under: the lowered program's ops carry it in
+# their locations, where jaxamp.precision_report reads which format ran them.
+SCOPE = "jaxamp_scaled"
+
+
+def scope_name(recipe: Any) -> str:
+  """The named scope of ``recipe``'s matmuls: ``'jaxamp_scaled[<describe>]'``."""
+  return f"{SCOPE}[{describe(recipe)}]"
 
 
 def recipe_named(name: str) -> Any:
@@ -310,8 +342,9 @@ def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
       scope.used.add(path)
     if kwargs.get("out_sharding", "absent") is None:
       del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
-    return fmt.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                           state=state, recipe=recipe, **kwargs)
+    with jax.named_scope(scope_name(recipe)):
+      return fmt.dot_general(lhs, rhs, dimension_numbers, precision,
+                             preferred_element_type, state=state, recipe=recipe, **kwargs)
 
   dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
   return dot
