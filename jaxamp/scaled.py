@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -62,6 +63,7 @@ from jaxamp import _warn_once
 __all__ = [
     "ScaledFormat",
     "describe",
+    "described_in",
     "format_of",
     "is_recipe",
     "kept_on_skip",
@@ -217,6 +219,22 @@ SCOPE = "jaxamp_scaled"
 def scope_name(recipe: Any) -> str:
   """The named scope of ``recipe``'s matmuls: ``'jaxamp_scaled[<describe>]'``."""
   return f"{SCOPE}[{describe(recipe)}]"
+
+
+_SCOPE_RE = re.compile(re.escape(SCOPE) + r"\[([^\]]*)\]")
+
+
+def described_in(name_stack: str) -> str:
+  """The format an op ran in, read off its name stack (a jaxpr equation's, or a lowered
+  op's location name): the innermost :func:`scope_name` label, ``''`` outside every one.
+
+  Example:
+    >>> from jaxamp import scaled
+    >>> scaled.described_in('jit(f)/transpose(jvp(jaxamp_scaled[fp8 x / y]))/dot_general')
+    'fp8 x / y'
+  """
+  found = _SCOPE_RE.findall(name_stack)
+  return found[-1] if found else ""
 
 
 def recipe_named(name: str) -> Any:

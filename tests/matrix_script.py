@@ -49,6 +49,12 @@ EXTRA_ROWS = [
     dict(model="linen", layout="replicated", policy="mixed_fp8", accum=1, state="none",
          fault="none", residuals="half", batch="arrays",
          optimizer="sgd, average of the params", resume="mixed_float16"),
+    # Block-scaled FP8 (jaxamp/block.py): FSDP-gathered kernels quantized in blocks, an
+    # inf on one device's rows skipped everywhere, micro-batches.
+    dict(model="nnx", layout="fsdp", policy="mixed_fp8_block", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", **EXTRA),
+    dict(model="linen", layout="replicated", policy="mixed_fp8_block", accum=1,
+         state="batchnorm", fault="none", residuals="plain", batch="arrays", **EXTRA),
 ]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}

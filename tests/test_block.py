@@ -84,18 +84,18 @@ def adversarial(rows=4, cols=384):
                                                          ((128, 1), False)])])
 def test_quantize_equals_the_numpy_rule_bit_for_bit(blk, power_of_two):
   rng = np.random.RandomState(1)
+  quantize = jax.jit(block.quantize, static_argnums=(1, 2, 3))
   for x in (rng.randn(200, 300).astype(np.float32) * 5,  # neither dim divides 128
             adversarial(), adversarial(260, 384).T):
-    q, s = jax.jit(block.quantize, static_argnums=(1, 2, 3))(jnp.asarray(x), blk, block.E4M3,
-                                                              power_of_two)
+    q, s = quantize(jnp.asarray(x), blk, block.E4M3, power_of_two)
     want_q, want_s = ref_quantize(x, blk, power_of_two)
     assert q.dtype == E4M3 and q.shape == x.shape and s.shape == want_s.shape
     np.testing.assert_array_equal(np.asarray(s).view(np.uint32), want_s.view(np.uint32))
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
-    d = np.asarray(block.dequantize(q, s, blk))
+    d = np.asarray(jax.jit(block.dequantize, static_argnums=2)(q, s, blk))
     np.testing.assert_array_equal(d.view(np.uint32), deq(want_q, want_s, blk).view(np.uint32))
   if blk == (1, 128):  # the adversarial tiles' promised properties
-    q, s = map(np.asarray, block.quantize(jnp.asarray(adversarial()), blk))
+    q, s = map(np.asarray, quantize(jnp.asarray(adversarial()), blk, block.E4M3, False))
     assert s.shape == (4, 3)
     assert s[0, 1] == 1.0 and s[2, 1] == 1.0 and s[3, 2] == 1.0  # zero, inf, NaN tiles
     assert s[0, 0] == np.float32(MAX / np.float32(3e4))  # the outlier sets its tile's scale
@@ -131,8 +131,13 @@ def test_forward_and_both_gradients_equal_the_numpy_reference(m, k, n):
   w[:128, :128] *= 1e3
   c = (rng.randn(m, n) * np.logspace(-4, 0, m)[:, None]).astype(np.float32)
   f = lambda x, w: block.block_dot_general(x, w, DIMS)
-  y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x), jnp.asarray(w))
-  gx, gw = vjp(jnp.asarray(c))
+
+  @jax.jit
+  def run(x, w, c):
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(c))
+
+  y, gx, gw = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(c))
   assert y.dtype == gx.dtype == gw.dtype == jnp.float32
   t, wb = (1, 128), (128, 128)
   _close(y, _ref_dot(x, w, t, wb), x, w)
@@ -146,7 +151,7 @@ def test_forward_and_both_gradients_equal_the_numpy_reference(m, k, n):
   # A non-finite input element makes its row of the product NaN, the others finite.
   bad = x.copy()
   bad[2, 7] = np.inf
-  got = np.asarray(jax.jit(f)(jnp.asarray(bad), jnp.asarray(w)))
+  got = np.asarray(run(jnp.asarray(bad), jnp.asarray(w), jnp.asarray(c))[0])
   assert np.all(np.isnan(got[2])) and np.all(np.isfinite(np.delete(got, 2, axis=0)))
 
 
@@ -277,3 +282,29 @@ def test_an_nnx_linear_and_a_linen_dense_train_and_skip_exactly(model_kind, agai
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fp8[1][1])):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
   np.testing.assert_array_equal(scaled_state[""], state_amax)
+
+
+def test_precision_report_and_summary_name_each_matmuls_format():
+  """Every scaled format's matmuls, forward and backward, carry its describe() text in
+  the lowered program (the named scope scaled.dot_for opens): precision_report shows it
+  per op and per format, summary per module."""
+  recipes = [jaxamp.CurrentScaling(), jaxamp.RowwiseScaling(), jaxamp.BlockScaling()]
+  want = ["fp8 e4m3fn/e5m2 per-tensor current", "fp8 e4m3fn/e5m2 rowwise",
+          "fp8 e4m3fn, 1x128 act / 128x128 weight blocks"]
+  x, w = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 8), jnp.bfloat16)
+  for recipe, name in zip(recipes, want):
+    assert jaxamp.scaled.describe(recipe) == name
+    dot = jaxamp.scaled.dot_for(None, recipe, "Dense")
+    r = jaxamp.precision_report(lambda x, w: dot(x, w, DIMS).astype(jnp.float32).sum(), x, w,
+                                backward=True, argnums=(0, 1))
+    assert len(r.ops) == 3 and all(op.is_fp8 and op.scaled_format == name for op in r.ops)
+    assert r.flops_by_format == {name: r.total_flops} and name in str(r)
+  plain = jaxamp.precision_report(lambda x, w: x @ w, x, w)
+  assert plain.ops[0].scaled_format == "" and plain.flops_by_format == {}
+  assert "format" not in str(plain)
+  model = nnx.Sequential(nnx.Linear(128, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+  for s in (jaxamp.summary(model, policy="mixed_fp8_block"),  # from the policy
+            jaxamp.summary(model, jnp.ones((2, 128)), policy="mixed_fp8_block")):  # traced
+    formats = {r.path: r.scaled_format for r in s.rows}
+    assert formats["layers/0"] == want[2] and not formats["layers/1"]
+    assert want[2] in str(s)
