@@ -183,8 +183,11 @@ def quantize(x: jax.Array, block: tuple[int, int], dtype: Any = E4M3,
 
 
 def dequantize(q: jax.Array, s: jax.Array, block: tuple[int, int]) -> jax.Array:
-  """``q / s`` with each block's ``s`` (what :func:`quantize` returned), float32."""
-  return q.astype(_F32) / _per_element(s, block, q.shape)
+  """``q / s`` with each block's ``s`` (what :func:`quantize` returned), float32, each
+  element divided (not multiplied by a reciprocal: exact to the rule)."""
+  # The barrier keeps XLA from rewriting a division by a broadcast scale into a
+  # multiplication by its reciprocal, one rounding off.
+  return q.astype(_F32) / lax.optimization_barrier(_per_element(s, block, q.shape))
 
 
 def _tiled_dot(a: jax.Array, b: jax.Array, a_block: tuple[int, int],
