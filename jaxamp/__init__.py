@@ -20,7 +20,8 @@ Entry points:
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
   FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
                  (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; DeepSeek-V3's 1x128 /
-                 128x128 blocks (``'mixed_fp8_block'``) in ``jaxamp.block``; other scaled
+                 128x128 blocks (``'mixed_fp8_block'``) in ``jaxamp.block``; a format per
+                 matmul (``PerMatmulScaling``) in ``jaxamp.per_matmul``; other scaled
                  formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
@@ -44,6 +45,7 @@ from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxamp.rowwise import RowwiseScaling
 from jaxamp.block import BlockScaling
+from jaxamp.per_matmul import PerMatmulScaling
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -93,7 +95,7 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import block, fp8, linen, nnx, rowwise, scaled
+from jaxamp import block, fp8, linen, nnx, per_matmul, rowwise, scaled
 
 __version__ = "0.1.0"
 
@@ -102,6 +104,7 @@ __all__ = [
     "scaled",
     "RowwiseScaling",
     "BlockScaling",
+    "PerMatmulScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",

@@ -51,9 +51,6 @@ Example:
   >>> q, s = jaxamp.block.quantize(x, (1, 128))
   >>> s.shape, (448 / s).tolist()  # one scale per 128 elements: amax / 448 dequantizes
   ((1, 2), [[127.0, 255.0]])
-  >>> w = jnp.ones((256, 3))
-  >>> jaxamp.block.block_dot_general(x, w, (((1,), (0,)), ((), ()))).shape
-  (1, 3)
   >>> jaxamp.get_policy('mixed_fp8_block').fp8
   BlockScaling(act_block=128, weight_block=(128, 128), power_of_two=False)
 """
@@ -228,32 +225,33 @@ def _amax(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _block_matmul(a, b, amaxes, recipe):
   del amaxes
-  tile = (1, recipe.act_block)
-  return _tiled_dot(a, b, tile, recipe.weight_block, recipe.power_of_two).astype(a.dtype)
+  return _tiled_dot(a, b, *_blocks(recipe, "fwd"), recipe.power_of_two).astype(a.dtype)
 
 
 def _block_matmul_fwd(a, b, amaxes, recipe):
   return _block_matmul(a, b, amaxes, recipe), (a, b)
 
 
+def _blocks(recipe: BlockScaling, role: str) -> tuple[tuple[int, int], tuple[int, int]]:
+  """The blocks of ``a`` and ``b`` in ``a [*B, M, K] @ b [*B, K, N]`` for ``role``."""
+  t, (wr, wc) = recipe.act_block, recipe.weight_block
+  # fwd x @ W: x in 1 x t tiles, W in its blocks. dgrad g @ W^T: g in 1 x t tiles along
+  # the outputs, W in its own blocks. wgrad x^T @ g: both in tiles of t along the batch.
+  return {"fwd": ((1, t), (wr, wc)), "dgrad": ((1, t), (wc, wr)),
+          "wgrad": ((1, t), (t, 1))}[role]
+
+
 def _block_matmul_bwd(recipe, residuals, g):
   a, b = residuals
-  t, (wr, wc), p2 = recipe.act_block, recipe.weight_block, recipe.power_of_two
+  p2 = recipe.power_of_two
   g = g.astype(a.dtype)
-  # Input gradient g @ b^T: g in 1 x t tiles along the outputs, b in its own blocks.
-  da = _tiled_dot(g, jnp.swapaxes(b, -1, -2), (1, t), (wc, wr), p2)
-  # Weight gradient a^T @ g: both in tiles of t along the batch, their contraction.
-  db = _tiled_dot(jnp.swapaxes(a, -1, -2), g, (1, t), (t, 1), p2)
+  da = _tiled_dot(g, jnp.swapaxes(b, -1, -2), *_blocks(recipe, "dgrad"), p2)
+  db = _tiled_dot(jnp.swapaxes(a, -1, -2), g, *_blocks(recipe, "wgrad"), p2)
   amaxes = jnp.stack([_amax(a), _amax(b), _amax(g)])
   return da.astype(a.dtype), db.astype(b.dtype), amaxes
 
 
 _block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
-
-
-def _dims(dimension_numbers: Any) -> tuple[tuple[int, ...], ...]:
-  (lc, rc), (lb, rb) = dimension_numbers
-  return tuple(tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
 
 
 def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -287,17 +285,8 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
   rhs = rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs
-  lc, rc, lb, rb = _dims(dimension_numbers)
-  lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
-  rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
-  batch = tuple(lhs.shape[i] for i in lb)
-  k = math.prod(lhs.shape[i] for i in lc)
-  m_shape = tuple(lhs.shape[i] for i in lfree)
-  n_shape = tuple(rhs.shape[i] for i in rfree)
-  a = jnp.transpose(lhs, (*lb, *lfree, *lc)).reshape(*batch, math.prod(m_shape), k)
-  b = jnp.transpose(rhs, (*rb, *rc, *rfree)).reshape(*batch, k, math.prod(n_shape))
-  out = _block_matmul(a, b, state, recipe)
-  return out.reshape(*batch, *m_shape, *n_shape).astype(dtype)
+  a, b, back = scaled.matmul_layout(lhs, rhs, dimension_numbers)
+  return back(_block_matmul(a, b, state, recipe)).astype(dtype)
 
 
 class BlockFp8(scaled.ScaledFormat):
@@ -322,6 +311,11 @@ class BlockFp8(scaled.ScaledFormat):
 
   def stateless_warning(self, recipe: BlockScaling, what: str) -> str | None:
     return None  # current scaling: the same without state
+
+  def product(self, role: str, a: jax.Array, b: jax.Array,
+              recipe: BlockScaling) -> jax.Array:
+    """One of the three matmuls (:meth:`jaxamp.scaled.ScaledFormat.product`)."""
+    return _tiled_dot(a, b, *_blocks(recipe, role), recipe.power_of_two)
 
   def describe(self, recipe: BlockScaling) -> str:
     """``'fp8 e4m3fn, 1x128 act / 128x128 weight blocks'`` (``', pow2 scales'`` added

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -66,6 +67,7 @@ __all__ = [
     "described_in",
     "format_of",
     "is_recipe",
+    "matmul_layout",
     "kept_on_skip",
     "merge_state",
     "policy_name",
@@ -127,6 +129,15 @@ class ScaledFormat(abc.ABC):
     rowwise'``). Optional: by default the format's ``name``."""
     del recipe
     return self.name
+
+  # Optional: ``product(self, role, a, b, recipe) -> jax.Array``, one of a layer's three
+  # matmuls run in the format alone, without state (current scaling), on operands laid
+  # out as :func:`matmul_layout` lays them (``a [*batch, M, K] @ b [*batch, K, N]``),
+  # float32: ``role`` ``'fwd'`` (``a`` the input, ``b`` the kernel), ``'dgrad'`` (``a``
+  # the output gradient, ``b`` the kernel transposed) or ``'wgrad'`` (``a`` the input
+  # transposed, ``b`` the output gradient). :class:`jaxamp.PerMatmulScaling` composes
+  # formats through it.
+  product = None
 
   def stateless_warning(self, recipe: Any, what: str) -> str | None:
     """The warning for a module run in a train step without state (inside
@@ -366,6 +377,34 @@ def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
 
   dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
   return dot
+
+
+def matmul_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
+                  ) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
+  """A ``dot_general``'s operands laid out as ``[*batch, M, K]`` and ``[*batch, K, N]``
+  (the contracted dimensions flattened in order, the free ones into ``M`` and ``N``), and
+  the function laying a ``[*batch, M, N]`` result back out as ``dot_general``'s: the
+  layout :meth:`ScaledFormat.product` takes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp import scaled
+    >>> a, b, back = scaled.matmul_layout(jnp.ones((2, 3, 4)), jnp.ones((4, 5)),
+    ...                                   (((2,), (0,)), ((), ())))
+    >>> a.shape, b.shape, back(a @ b).shape
+    ((6, 4), (4, 5), (2, 3, 5))
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
+  lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+  rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+  batch = tuple(lhs.shape[i] for i in lb)
+  k = math.prod(lhs.shape[i] for i in lc)
+  m_shape = tuple(lhs.shape[i] for i in lfree)
+  n_shape = tuple(rhs.shape[i] for i in rfree)
+  a = jax.numpy.transpose(lhs, (*lb, *lfree, *lc)).reshape(*batch, math.prod(m_shape), k)
+  b = jax.numpy.transpose(rhs, (*rb, *rc, *rfree)).reshape(*batch, k, math.prod(n_shape))
+  return a, b, lambda out: out.reshape(*batch, *m_shape, *n_shape)
 
 
 def merge_state(old: Mapping[str, Any], cotangent: Mapping[str, Any], used: set[str],
