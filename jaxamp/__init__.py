@@ -20,7 +20,9 @@ Entry points:
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
   FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
                  (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; OCP MX blocks
-                 (``'mixed_mxfp8'``) in ``jaxamp.mxfp8``; other scaled
+                 (``'mixed_mxfp8'``) in ``jaxamp.mxfp8``; DeepSeek-V3's 1x128 /
+                 128x128 blocks (``'mixed_fp8_block'``) in ``jaxamp.block``; a format per
+                 matmul (``PerMatmulScaling``) in ``jaxamp.per_matmul``; other scaled
                  formats plug in through ``jaxamp.scaled``
   inspection     ``precision_report``, ``summary``, ``convert_for_inference``
 
@@ -44,6 +46,8 @@ from jaxamp.clipping import clip_by_global_norm
 from jaxamp.fp8 import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxamp.rowwise import RowwiseScaling
 from jaxamp.mxfp8 import MXFP8Scaling
+from jaxamp.block import BlockScaling
+from jaxamp.per_matmul import PerMatmulScaling
 from jaxamp.loss_scale import (
     LossScaleState,
     SkipNonfiniteState,
@@ -93,7 +97,7 @@ from jaxamp.rules import (
     set_policy,
 )
 
-from jaxamp import fp8, linen, mxfp8, nnx, rowwise, scaled
+from jaxamp import block, fp8, linen, mxfp8, nnx, per_matmul, rowwise, scaled
 
 __version__ = "0.1.0"
 
@@ -102,6 +106,8 @@ __all__ = [
     "scaled",
     "RowwiseScaling",
     "MXFP8Scaling",
+    "BlockScaling",
+    "PerMatmulScaling",
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Meta",

@@ -18,7 +18,7 @@ Example:
   ...     return x @ w
   >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4)))
   >>> module_matmuls(jaxpr)
-  [ModuleMatmul(module=0, kind='dot_general', lhs_dtype='bfloat16', rhs_dtype='float32', flops=48, batched=False)]
+  [ModuleMatmul(module=0, kind='dot_general', lhs_dtype='bfloat16', rhs_dtype='float32', flops=48, batched=False, scaled_format='')]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxamp import _warn_once, dtypes
+from jaxamp import _warn_once, dtypes, scaled
 
 __all__ = ["ModuleMatmul", "module_matmuls", "scope_name", "float32_in_half_modules",
            "warn_float32_matmuls", "HALF_DTYPES", "FP8_DTYPES"]
@@ -61,6 +61,9 @@ class ModuleMatmul(NamedTuple):
     batched: whether a ``dot_general`` has batch dimensions: a product of two
       activations (attention scores and their weighted values, per example and head);
       a layer's product with its kernel has none.
+    scaled_format: what the scaled format that ran the op calls it
+      (:func:`jaxamp.scaled.describe`, ``'fp8 e4m3fn, 1x128 act / 128x128 weight
+      blocks'``); ``''`` for an op no format ran.
   """
 
   module: int | None
@@ -69,6 +72,7 @@ class ModuleMatmul(NamedTuple):
   rhs_dtype: str
   flops: int
   batched: bool = False
+  scaled_format: str = ""
 
   @property
   def is_half(self) -> bool:
@@ -110,7 +114,7 @@ def _walk(jaxpr: Any, stack: str, times: int, found: list[ModuleMatmul]) -> None
       scopes = _SCOPE_RE.findall(here)
       lhs, rhs = (np.dtype(v.aval.dtype).name for v in eqn.invars[:2])
       found.append(ModuleMatmul(int(scopes[-1]) if scopes else None, op[0], lhs, rhs,
-                                op[1] * times, op[2]))
+                                op[1] * times, op[2], scaled.described_in(here)))
     trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
     for sub in _sub_jaxprs(eqn.params):
       _walk(sub, here, times * int(trips), found)

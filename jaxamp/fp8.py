@@ -280,6 +280,29 @@ class PerTensorFp8(scaled.ScaledFormat):
     history = jnp.roll(state.amax_history, 1, axis=1).at[:, 0].set(newest)
     return update_scales(Fp8Meta(history, state.scale), recipe)
 
+  def product(self, role: str, a: jax.Array, b: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+    """One of the three matmuls (:meth:`jaxamp.scaled.ScaledFormat.product`) with
+    current scaling, one scale per operand, E5M2 for the output gradient."""
+    if isinstance(recipe, DelayedScaling):
+      raise ValueError("a per-matmul recipe takes jaxamp.CurrentScaling(), not "
+                       "DelayedScaling: delayed scales need a state per matmul.")
+    batch = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (a.ndim - 2,)), (batch, batch))
+    types = {"fwd": (E4M3, E4M3), "dgrad": (E5M2, E4M3), "wgrad": (E4M3, E5M2)}[role]
+    amaxes = (_amax(a), _amax(b))
+    sa, sb = (_current_scale(m, dtypes.format_of(t).max, recipe.margin)
+              for m, t in zip(amaxes, types))
+    out = lax.dot_general(quantize(a, types[0], sa), quantize(b, types[1], sb), dims,
+                          preferred_element_type=_F32)
+    # A non-finite operand makes the product NaN (the exact skip), as the dot's own rule.
+    nonfinite = jnp.where(jnp.isfinite(amaxes[0]) & jnp.isfinite(amaxes[1]), 0.0, jnp.nan)
+    return out / (sa * sb) + nonfinite.astype(_F32)
+
+  def describe(self, recipe: Fp8Recipe) -> str:
+    """``'fp8 e4m3fn/e5m2 per-tensor delayed'`` (or ``current``)."""
+    kind = "delayed" if isinstance(recipe, DelayedScaling) else "current"
+    return f"fp8 e4m3fn/e5m2 per-tensor {kind}"
+
   def stateless_warning(self, recipe: Fp8Recipe, what: str) -> str | None:
     if not isinstance(recipe, DelayedScaling):
       return None  # current scaling keeps no scale: it runs the same without state

@@ -45,7 +45,7 @@ from jax.extend.core import Literal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from jaxamp import adapters, dtypes
+from jaxamp import adapters, dtypes, scaled
 from jaxamp.census import FP8_DTYPES, HALF_DTYPES
 
 __all__ = ["MatmulOp", "PrecisionReport", "precision_report"]
@@ -68,6 +68,10 @@ class MatmulOp(NamedTuple):
       the private function holding it and known loop trip counts multiply it.
     function: name of the StableHLO function the op sits in (``'main'`` or a
       private function emitted for a nested ``jit``, scan body, ...).
+    scaled_format: what the scaled format that ran the op calls it
+      (:func:`jaxamp.scaled.describe`: ``'fp8 e4m3fn/e5m2 per-tensor delayed'``,
+      ``'fp8 e4m3fn, 1x128 act / 128x128 weight blocks'``), read off the op's location
+      (the named scope each format's matmul runs under); ``''`` for an op no format ran.
   """
 
   kind: str
@@ -80,6 +84,7 @@ class MatmulOp(NamedTuple):
   flops: int
   multiplicity: int
   function: str
+  scaled_format: str = ""
 
   @property
   def total_flops(self) -> int:
@@ -124,6 +129,8 @@ class PrecisionReport:
       read; the ops inside them are counted once per entry into the loop.
     fp8_flops: FLOPs of ops whose operands are both 8-bit floats (not in ``half_flops``).
     fp8_share: ``fp8_flops / total_flops``.
+    flops_by_format: FLOPs per scaled format (:attr:`MatmulOp.scaled_format`), for
+      the ops a scaled format ran.
   """
 
   ops: list[MatmulOp]
@@ -139,21 +146,25 @@ class PrecisionReport:
   unknown_trip_loops: int
   fp8_flops: int = 0
   fp8_share: float = 0.0
+  flops_by_format: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def table(self) -> str:
     """A terminal table: one row per distinct op, then summary lines."""
     groups: dict[tuple, list[int]] = {}
+    formats = any(op.scaled_format for op in self.ops)  # a column only where one ran
     for op in self.ops:
       key = (op.kind, _short(op.lhs_dtype, op.lhs_shape), _short(op.rhs_dtype, op.rhs_shape),
              _short(op.result_dtype, op.result_shape))
+      key += (op.scaled_format or "-",) if formats else ()
       count_flops = groups.setdefault(key, [0, 0])
       count_flops[0] += op.multiplicity
       count_flops[1] += op.total_flops
-    rows = [("op", "lhs", "rhs", "out", "count", "FLOPs", "share")]
+    rows = [("op", "lhs", "rhs", "out", *(("format",) if formats else ()), "count", "FLOPs",
+             "share")]
     for key, (count, flops) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
       rows.append((*key, str(count), _human(flops), _percent(flops, self.total_flops)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = (False, False, False, False, True, True, True)
+    right = (False,) * (5 if formats else 4) + (True, True, True)
     lines = []
     for r in rows:
       cells = [c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(r, widths, right)]
@@ -165,6 +176,9 @@ class PrecisionReport:
     if self.fp8_flops:
       lines.append(f"FP8 share: {_percent(self.fp8_flops, self.total_flops)} of the matmul "
                    "FLOPs have 8-bit float operands")
+    for name, flops in sorted(self.flops_by_format.items(), key=lambda kv: -kv[1]):
+      lines.append(f"scaled format {name}: {_percent(flops, self.total_flops)} of the "
+                   "matmul FLOPs")
     if self.unknown_trip_loops:
       lines.append(f"note: {self.unknown_trip_loops} loop(s) with unknown trip count; "
                    "their ops are counted once")
@@ -197,6 +211,7 @@ class PrecisionReport:
         "unknown_trip_loops": self.unknown_trip_loops,
         "fp8_flops": self.fp8_flops,
         "fp8_share": self.fp8_share,
+        "flops_by_format": dict(self.flops_by_format),
     }
 
 
@@ -263,9 +278,12 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
   half = sum(op.total_flops for op in ops if op.is_half)
   fp8 = sum(op.total_flops for op in ops if op.is_fp8)
   by_dtype: dict[tuple[str, str], int] = {}
+  by_format: dict[str, int] = {}
   for op in ops:
     key = (op.lhs_dtype, op.rhs_dtype)
     by_dtype[key] = by_dtype.get(key, 0) + op.total_flops
+    if op.scaled_format:
+      by_format[op.scaled_format] = by_format.get(op.scaled_format, 0) + op.total_flops
   if residuals is None:
     saved, with_args, shapes = None, None, None
   else:
@@ -277,7 +295,7 @@ def precision_report(fn: Callable[..., Any], *args: Any, backward: bool = False,
       ops=ops, total_flops=total, half_flops=half, half_share=half / total if total else 0.0,
       flops_by_dtype=by_dtype, casts=casts, cast_bytes=cast_bytes, residual_bytes=saved,
       residual_bytes_with_args=with_args, residuals=shapes, unknown_trip_loops=unknown_loops,
-      fp8_flops=fp8, fp8_share=fp8 / total if total else 0.0)
+      fp8_flops=fp8, fp8_share=fp8 / total if total else 0.0, flops_by_format=by_format)
 
 
 # --- residuals ------------------------------------------------------------------------
@@ -648,7 +666,20 @@ def _matmul(op: ir.Operation) -> MatmulOp | None:
   if any(d < 0 for d in (*lhs_shape, *rhs_shape, *out_shape)):
     flops = 0  # dynamic shapes: unknown
   return MatmulOp(kind, lhs_dtype, rhs_dtype, out_dtype, lhs_shape, rhs_shape, out_shape,
-                  flops, 1, "")
+                  flops, 1, "", scaled.described_in(_location_name(op.location)))
+
+
+def _location_name(loc: ir.Location) -> str:
+  """The name of an op's location (jax's name stack), through the bindings' location
+  classes: a ``NameLoc``'s name, a ``FusedLoc``'s parts' names joined; ``''`` else."""
+  try:
+    return ir.NameLoc(loc).name_str
+  except ValueError:
+    pass
+  try:
+    return "/".join(filter(None, map(_location_name, ir.FusedLoc(loc).locations)))
+  except ValueError:
+    return ""
 
 
 # --- formatting ---------------------------------------------------------------------------

@@ -300,6 +300,23 @@ class RowwiseFp8(scaled.ScaledFormat):
   def stateless_warning(self, recipe: RowwiseScaling, what: str) -> str | None:
     return None  # current scaling: the same without state
 
+  def product(self, role: str, a: jax.Array, b: jax.Array,
+              recipe: RowwiseScaling) -> jax.Array:
+    """One of the three matmuls (:meth:`jaxamp.scaled.ScaledFormat.product`): each
+    operand per row along the contraction, E5M2 for the output gradient."""
+    batch = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (a.ndim - 2,)), (batch, batch))
+    if role == "wgrad" and recipe.wgrad_high_precision:
+      return lax.dot_general(a, b, dims, preferred_element_type=_F32)
+    types = {"fwd": (E4M3, E4M3), "dgrad": (E5M2, E4M3), "wgrad": (E4M3, E5M2)}[role]
+    return _scaled_dot(a, b, dims, *types, recipe.power_of_two)
+
+  def describe(self, recipe: RowwiseScaling) -> str:
+    """``'fp8 e4m3fn/e5m2 rowwise'``: E4M3 forward, E5M2 output gradient (``', pow2
+    scales'``, ``', wgrad in compute dtype'`` with the options)."""
+    return ("fp8 e4m3fn/e5m2 rowwise" + (", pow2 scales" if recipe.power_of_two else "")
+            + (", wgrad in compute dtype" if recipe.wgrad_high_precision else ""))
+
 
 ROWWISE = RowwiseFp8()
 scaled.register(RowwiseScaling, ROWWISE, names={"rowwise": RowwiseScaling},

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -61,8 +63,11 @@ from jaxamp import _warn_once
 
 __all__ = [
     "ScaledFormat",
+    "describe",
+    "described_in",
     "format_of",
     "is_recipe",
+    "matmul_layout",
     "kept_on_skip",
     "merge_state",
     "policy_name",
@@ -117,6 +122,22 @@ class ScaledFormat(abc.ABC):
     """The state a skipped step (non-finite gradients) keeps: the old one by default."""
     del new, recipe
     return old
+
+  def describe(self, recipe: Any) -> str:
+    """What :func:`jaxamp.precision_report` and :func:`jaxamp.summary` call a matmul run
+    with ``recipe``: its operand formats and what one scale covers (``'fp8 e4m3fn
+    rowwise'``). Optional: by default the format's ``name``."""
+    del recipe
+    return self.name
+
+  # Optional: ``product(self, role, a, b, recipe) -> jax.Array``, one of a layer's three
+  # matmuls run in the format alone, without state (current scaling), on operands laid
+  # out as :func:`matmul_layout` lays them (``a [*batch, M, K] @ b [*batch, K, N]``),
+  # float32: ``role`` ``'fwd'`` (``a`` the input, ``b`` the kernel), ``'dgrad'`` (``a``
+  # the output gradient, ``b`` the kernel transposed) or ``'wgrad'`` (``a`` the input
+  # transposed, ``b`` the output gradient). :class:`jaxamp.PerMatmulScaling` composes
+  # formats through it.
+  product = None
 
   def stateless_warning(self, recipe: Any, what: str) -> str | None:
     """The warning for a module run in a train step without state (inside
@@ -185,6 +206,46 @@ def format_of(recipe: Any) -> ScaledFormat:
     raise ValueError(f"{recipe!r} is not a recipe of a registered scaled format "
                      f"(registered: {known}); see jaxamp.scaled.register.")
   return fmt
+
+
+def describe(recipe: Any) -> str:
+  """What ``recipe``'s format calls its matmuls (:meth:`ScaledFormat.describe`; a format
+  without the method: its ``name``).
+
+  Example:
+    >>> import jaxamp
+    >>> jaxamp.scaled.describe(jaxamp.DelayedScaling())
+    'fp8 e4m3fn/e5m2 per-tensor delayed'
+  """
+  fmt = format_of(recipe)
+  method = getattr(fmt, "describe", None)
+  return str(method(recipe)) if callable(method) else fmt.name
+
+
+# The named scope each scaled matmul runs under: the lowered program's ops carry it in
+# their locations, where jaxamp.precision_report reads which format ran them.
+SCOPE = "jaxamp_scaled"
+
+
+def scope_name(recipe: Any) -> str:
+  """The named scope of ``recipe``'s matmuls: ``'jaxamp_scaled[<describe>]'``."""
+  return f"{SCOPE}[{describe(recipe)}]"
+
+
+_SCOPE_RE = re.compile(re.escape(SCOPE) + r"\[([^\]]*)\]")
+
+
+def described_in(name_stack: str) -> str:
+  """The format an op ran in, read off its name stack (a jaxpr equation's, or a lowered
+  op's location name): the innermost :func:`scope_name` label, ``''`` outside every one.
+
+  Example:
+    >>> from jaxamp import scaled
+    >>> scaled.described_in('jit(f)/transpose(jvp(jaxamp_scaled[fp8 x / y]))/dot_general')
+    'fp8 x / y'
+  """
+  found = _SCOPE_RE.findall(name_stack)
+  return found[-1] if found else ""
 
 
 def recipe_named(name: str) -> Any:
@@ -320,11 +381,40 @@ def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
       scope.used.add(path)
     if kwargs.get("out_sharding", "absent") is None:
       del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
-    return fmt.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                           state=state, recipe=recipe, **kwargs)
+    with jax.named_scope(scope_name(recipe)):
+      return fmt.dot_general(lhs, rhs, dimension_numbers, precision,
+                             preferred_element_type, state=state, recipe=recipe, **kwargs)
 
   dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
   return dot
+
+
+def matmul_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
+                  ) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
+  """A ``dot_general``'s operands laid out as ``[*batch, M, K]`` and ``[*batch, K, N]``
+  (the contracted dimensions flattened in order, the free ones into ``M`` and ``N``), and
+  the function laying a ``[*batch, M, N]`` result back out as ``dot_general``'s: the
+  layout :meth:`ScaledFormat.product` takes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxamp import scaled
+    >>> a, b, back = scaled.matmul_layout(jnp.ones((2, 3, 4)), jnp.ones((4, 5)),
+    ...                                   (((2,), (0,)), ((), ())))
+    >>> a.shape, b.shape, back(a @ b).shape
+    ((6, 4), (4, 5), (2, 3, 5))
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
+  lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+  rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+  batch = tuple(lhs.shape[i] for i in lb)
+  k = math.prod(lhs.shape[i] for i in lc)
+  m_shape = tuple(lhs.shape[i] for i in lfree)
+  n_shape = tuple(rhs.shape[i] for i in rfree)
+  a = jax.numpy.transpose(lhs, (*lb, *lfree, *lc)).reshape(*batch, math.prod(m_shape), k)
+  b = jax.numpy.transpose(rhs, (*rb, *rc, *rfree)).reshape(*batch, k, math.prod(n_shape))
+  return a, b, lambda out: out.reshape(*batch, *m_shape, *n_shape)
 
 
 def merge_state(old: Mapping[str, Any], cotangent: Mapping[str, Any], used: set[str],

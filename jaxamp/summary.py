@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp import adapters
+from jaxamp import adapters, scaled
 from jaxamp import fp8 as fp8_lib
 from jaxamp.adapters import module_params
 from jaxamp.casting import is_floating_array
@@ -37,7 +37,10 @@ class SummaryRow:
   ``param_count`` and the byte figures count only the parameters the module owns
   directly, not those of its submodules. ``fp8`` is True for a module whose matmul runs
   in FP8 under its policy (:mod:`jaxamp.fp8`); its other operations run in
-  ``compute_dtype``.
+  ``compute_dtype``. ``scaled_format`` names the scaled format of its matmuls and what
+  one scale covers (:func:`jaxamp.scaled.describe`: ``'fp8 e4m3fn, 1x128 act / 128x128
+  weight blocks'``): with example inputs, the formats its own matmuls ran in (``'+'``-
+  joined, ``''`` for none); without, its policy's, for an FP8 module; else None.
   """
 
   path: str
@@ -51,6 +54,7 @@ class SummaryRow:
   matmul_dtypes: str | None = None
   matmul_flops: int = 0
   fp8: bool = False
+  scaled_format: str | None = None
 
   @property
   def runs_as_policy(self) -> bool:
@@ -109,15 +113,19 @@ class Summary:
     """The summary as a fixed-width table."""
     header = ("path", "class", "params", "compute", "output", "#params", "stored",
               "at compute", "matmuls ran in")
+    formats = any(r.scaled_format for r in self.rows)  # a column only where one ran
+    if formats:
+      header += ("scaled format",)
     body = [((r.path or "(model)"), r.cls, r.param_dtype,
              ("fp8/" if r.fp8 else "") + r.compute_dtype, r.output_dtype,
              f"{r.param_count:,}", _bytes(r.stored_bytes), _bytes(r.compute_bytes),
              ("not traced" if r.matmul_dtypes is None else
               (r.matmul_dtypes + ("" if r.runs_as_policy else "  (!)")) if r.matmul_dtypes
-              else "-"))
+              else "-"), *((r.scaled_format or "-",) if formats else ()))
             for r in self.rows]
     body.append(("total", "", "", "", "", f"{self.total_params:,}",
-                 _bytes(self.total_stored_bytes), _bytes(self.total_compute_bytes), ""))
+                 _bytes(self.total_stored_bytes), _bytes(self.total_compute_bytes), "",
+                 *(("",) if formats else ())))
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
     numeric = {5, 6, 7}
 
@@ -140,17 +148,20 @@ def _tree_order(path: str) -> tuple[tuple[int, int, str], ...]:
   return tuple((0, int(s), "") if s.isdigit() else (1, 0, s) for s in path.split("/"))
 
 
-def _matmul_columns(census: Any) -> dict[str, tuple[str, int]]:
-  """``{module path: (operand dtypes of its own matmuls, their FLOPs)}`` from a census."""
+def _matmul_columns(census: Any) -> dict[str, tuple[str, int, str]]:
+  """``{module path: (operand dtypes of its own matmuls, their FLOPs, the scaled formats
+  they ran in)}`` from a census."""
   ops, names, _ = census
-  found: dict[str, tuple[set[str], int]] = {}
+  found: dict[str, tuple[set[str], int, set[str]]] = {}
   for op in ops:
     if op.module is None:
       continue
-    dtypes, flops = found.setdefault(names[op.module], (set(), 0))
+    dtypes, flops, formats = found.setdefault(names[op.module], (set(), 0, set()))
     dtypes.update((op.lhs_dtype, op.rhs_dtype))
-    found[names[op.module]] = (dtypes, flops + op.flops)
-  return {path: ("+".join(sorted(dtypes)), flops) for path, (dtypes, flops) in found.items()}
+    formats.update({op.scaled_format} - {""})
+    found[names[op.module]] = (dtypes, flops + op.flops, formats)
+  return {path: ("+".join(sorted(dtypes)), flops, "+".join(sorted(formats)))
+          for path, (dtypes, flops, formats) in found.items()}
 
 
 def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
@@ -200,9 +211,13 @@ def summary(model: Any, *example_inputs: Any, policy: PolicyLike | None = None,
                                               if is_floating_array(leaf)
                                               else np.dtype(leaf.dtype).itemsize)
                   for leaf in leaves)
-    ran, flops = (None, 0) if matmuls is None else matmuls.get(path, ("", 0))
+    fp8 = fp8_lib.runs_fp8(cls, p)
+    if matmuls is None:
+      ran, flops, formats = None, 0, scaled.describe(p.fp8) if fp8 else None
+    else:
+      ran, flops, formats = matmuls.get(path, ("", 0, ""))
     rows.append(SummaryRow(path, cls.__name__, p.param_dtype.name, p.compute_dtype.name,
-                           p.output_dtype.name, count, stored, compute, ran, flops,
-                           fp8_lib.runs_fp8(cls, p)))
+                           p.output_dtype.name, count, stored, compute, ran, flops, fp8,
+                           formats))
   model_policy = next((p for path, _, p in plan if path == ""), None)
   return Summary(tuple(rows), model_policy.name if model_policy else "")

@@ -57,6 +57,12 @@ EXTRA_ROWS = [
     dict(model="equinox", layout="logical rules", policy="mixed_mxfp8", accum=1,
          state="none", fault="inf on one device", residuals="half", batch="arrays",
          **EXTRA),
+    # Block-scaled FP8 (jaxamp/block.py): FSDP-gathered kernels quantized in blocks, an
+    # inf on one device's rows skipped everywhere, micro-batches.
+    # (One row: the matrix runs in one subprocess under a 15-minute limit, and this
+    # emulation pads the matrix's 16 features and 4 rows per device to 128.)
+    dict(model="nnx", layout="fsdp", policy="mixed_fp8_block", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", **EXTRA),
 ]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}

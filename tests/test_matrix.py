@@ -47,12 +47,17 @@ TOLERANCE = {
     # MXFP8's blocks run along each product's contraction: the weight gradient's along
     # the batch, so a device's blocks hold its own rows (measured: 2.3e-4 at most).
     "mixed_mxfp8": 1e-3,
+    # Block-scaled FP8 (EXTRA_ROWS): the weight gradient's tiles run along the batch, so
+    # each device scales its own rows, as current scaling does; measured 5.6e-4 (NNX,
+    # FSDP, 2 micro-batches; 2.9e-3 on a Linen row with a synced BatchNorm, not kept).
+    "mixed_fp8_block": 1e-2,
 }
 # Relative difference of the FP8 state (amax histories, scales). Delayed scaling takes the
 # amax maximum over the devices, so it is one device's up to what the half-precision
 # rounding upstream moves (bitwise equal on most rows; 0.7 % on a gradient amax behind a
 # synced BatchNorm); current scaling's recorded amaxes come from per-device scales.
-FP8_TOLERANCE = {"mixed_fp8_current": 0.1}
+# Block: bitwise equal on its row (1.9e-2 measured behind a synced BatchNorm).
+FP8_TOLERANCE = {"mixed_fp8_current": 0.1, "mixed_fp8_block": 0.05}
 FP8_DEFAULT = 2e-2
 
 
