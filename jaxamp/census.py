@@ -91,11 +91,11 @@ def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
 
 def _flops(eqn: Any) -> tuple[str, int, bool] | None:
   name = eqn.primitive.name
-  if name not in ("dot_general", "conv_general_dilated"):
+  if name not in ("dot_general", "scaled_dot", "conv_general_dilated"):
     return None
   lhs, rhs = (v.aval for v in eqn.invars[:2])
   out = eqn.outvars[0].aval
-  if name == "dot_general":
+  if name in ("dot_general", "scaled_dot"):  # scaled_dot: a block-scaled product (MXFP8)
     (contract, _), (batch, _) = eqn.params["dimension_numbers"]
     return ("dot_general", 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract),
             bool(len(batch)))

@@ -371,6 +371,7 @@ class MXFP8(scaled.ScaledFormat):
   magnitudes (for inspection: every block's scale is its own, of this pass)."""
 
   name = "MXFP8"
+  min_compute_capability = 10.0  # MX block-scaled tensor cores: Blackwell
   census_dtypes = dtypes.FP8
 
   def init_state(self, recipe: MXFP8Scaling) -> jax.Array:

@@ -495,7 +495,7 @@ def _stack() -> list[Policy]:
 def _fast_path_missing(policy: Policy) -> str | None:
   """Why ``policy``'s compute dtype has no fast path on the default backend, or None."""
   if policy.fp8 is not None:
-    return _fp8_fast_path_missing()
+    return _fp8_fast_path_missing(scaled.format_of(policy.fp8).min_compute_capability)
   if not policy.is_mixed:
     return None
   compute = policy.compute_dtype
@@ -524,19 +524,21 @@ def _compute_capability() -> tuple[Any, float | None]:
     return cc, None
 
 
-def _fp8_fast_path_missing() -> str | None:
+def _fp8_fast_path_missing(need: float = 8.9) -> str | None:
+  """Why FP8 matmuls needing compute capability ``need`` (the format's) run slowly here."""
+  gpus = "Ada, Hopper, Blackwell" if need < 9.0 else "Blackwell"
   backend = jax.default_backend()
   if backend == "gpu":
     cc, version = _compute_capability()
-    if version is not None and version < 8.9:
-      return (f"FP8 matmuls need a GPU of compute capability >= 8.9 (Ada, Hopper, "
-              f"Blackwell); this one is {cc}, so XLA upcasts them")
+    if version is not None and version < need:
+      return (f"these FP8 matmuls need a GPU of compute capability >= {need} ({gpus}); "
+              f"this one is {cc}, so XLA emulates them")
     return None
   if backend == "cpu":
     return ("XLA on CPU runs FP8 matmuls upcast (FP8's rounding and scaling, for testing); "
-            "FP8 speed needs an NVIDIA GPU of compute capability >= 8.9")
-  return (f"jaxamp's FP8 mode targets NVIDIA GPUs of compute capability >= 8.9; on {backend} "
-          "XLA may run FP8 matmuls upcast")
+            f"FP8 speed needs an NVIDIA GPU of compute capability >= {need}")
+  return (f"jaxamp's FP8 mode targets NVIDIA GPUs of compute capability >= {need}; on "
+          f"{backend} XLA may run FP8 matmuls upcast")
 
 
 def _warn_if_slow(policy: Policy, stacklevel: int) -> None:

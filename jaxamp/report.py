@@ -483,6 +483,14 @@ def _walk(block: ir.Block, body: _Body, around: tuple[_Loop, ...]) -> None:
   for op in block.operations:
     op = op.operation
     name = op.name
+    if name == "stablehlo.composite" and _composite_name(op) == "xla.scaled_dot":
+      # A block-scaled product (jax.lax.scaled_dot, MXFP8): one matmul of its FP8
+      # operands, whatever its decomposition (an emulation where there is no MX
+      # hardware) does inside.
+      matmul = _matmul(op)
+      if matmul is not None:
+        body.ops.append((matmul, around))
+      continue
     for key in ("callee", "decomposition"):  # func.call; stablehlo.composite
       symbol = op.attributes[key] if key in op.attributes else None
       if isinstance(symbol, ir.FlatSymbolRefAttr):
@@ -506,6 +514,22 @@ def _walk(block: ir.Block, body: _Body, around: tuple[_Loop, ...]) -> None:
     for region in op.regions:
       for inner_block in region.blocks:
         _walk(inner_block, body, inner)
+
+
+def _composite_name(op: ir.Operation) -> str:
+  """A ``stablehlo.composite``'s name (``'xla.scaled_dot'``)."""
+  return ir.StringAttr(op.attributes["name"]).value if "name" in op.attributes else ""
+
+
+def _contracting(op: ir.Operation) -> tuple[int, ...]:
+  """The lhs contracting dimensions of a ``dot_general``, or of a ``scaled_dot``
+  composite (its ``dimension_numbers`` attribute: ``[[lhs_c, rhs_c], [lhs_b, rhs_b]]``)."""
+  if op.name == "stablehlo.dot_general":
+    return tuple(hlo.DotDimensionNumbers(
+        op.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions)
+  dims = ir.DictAttr(op.attributes["composite_attributes"])["dimension_numbers"]
+  lhs_contracting = ir.ArrayAttr(ir.ArrayAttr(ir.ArrayAttr(dims)[0])[0])
+  return tuple(ir.IntegerAttr(d).value for d in lhs_contracting)
 
 
 def _loop(op: ir.Operation) -> _Loop:
@@ -646,17 +670,17 @@ def _is_float(dtype: str) -> bool:
 
 
 def _matmul(op: ir.Operation) -> MatmulOp | None:
-  """A ``dot_general`` or ``convolution`` op as a :class:`MatmulOp` run once."""
+  """A ``dot_general``, ``scaled_dot`` composite or ``convolution`` op as a
+  :class:`MatmulOp` run once."""
   if len(op.operands) < 2:
     return None
   lhs, rhs, out = (_tensor(v.type) for v in (*op.operands[:2], op.results[0]))
   if lhs is None or rhs is None or out is None:
     return None
   (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype), (out_shape, out_dtype) = lhs, rhs, out
-  if op.name == "stablehlo.dot_general":
+  if op.name in ("stablehlo.dot_general", "stablehlo.composite"):
     kind = "dot_general"
-    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    reduced = math.prod(lhs_shape[d] for d in dims.lhs_contracting_dimensions)
+    reduced = math.prod(lhs_shape[d] for d in _contracting(op))
   else:
     kind = "convolution"
     dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])

@@ -88,10 +88,14 @@ class ScaledFormat(abc.ABC):
     census_dtypes: the operand dtype names of its matmuls (``'float8_e4m3fn'``): a
       matmul with such an operand counts as run in the format (the census and
       :func:`jaxamp.precision_report` read it).
+    min_compute_capability: the NVIDIA compute capability whose tensor cores run its
+      matmuls natively (8.9: Ada and Hopper's FP8; 10.0: Blackwell's MX blocks); the
+      policy's "no fast path here" warning names it.
   """
 
   name: str = "scaled"
   census_dtypes: frozenset[str] = frozenset()
+  min_compute_capability: float = 8.9
 
   @abc.abstractmethod
   def init_state(self, recipe: Any) -> Any:

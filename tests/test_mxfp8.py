@@ -229,6 +229,35 @@ def test_the_lowered_program_has_e4m3_blocks_and_e8m0_scales():
   assert "block_scaled_dot" not in text and 'composite "xla.scaled_dot"' in text
 
 
+def test_reports_count_each_block_scaled_product_once_as_fp8():
+  """precision_report sees the lowered scaled_dot composite as one FP8 matmul with the
+  format's name (not the bfloat16 dots of its emulating decomposition), its FLOPs those
+  of the padded blocks it runs; summary's census sees the scaled_dot equation."""
+  x, w = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 8), jnp.bfloat16)
+  name = jaxamp.scaled.describe(jaxamp.MXFP8Scaling())
+  dot = jaxamp.scaled.dot_for(None, jaxamp.MXFP8Scaling(), "Dense")
+  r = jaxamp.precision_report(lambda x, w: dot(x, w, DIMS).astype(jnp.float32).sum(), x, w,
+                              backward=True, argnums=(0, 1))
+  shapes = sorted((op.lhs_shape, op.rhs_shape) for op in r.ops)
+  # forward K=128; dgrad contracts the 8 outputs, wgrad the 4 rows: each padded to 32.
+  assert shapes == [((4, 32), (128, 32)), ((4, 128), (8, 128)), ((8, 32), (128, 32))]
+  assert all(op.is_fp8 and op.scaled_format == name for op in r.ops)
+  assert r.total_flops == 2 * (4 * 8 * 128 + 4 * 128 * 32 + 8 * 128 * 32)
+  model = nnx.Sequential(nnx.Linear(128, 8, rngs=nnx.Rngs(0)))
+  rows = {row.path: row for row in jaxamp.summary(model, jnp.ones((2, 128)),
+                                                  policy="mixed_mxfp8").rows}
+  assert rows["layers/0"].scaled_format == name
+
+
+def test_the_no_fast_path_warning_names_blackwell():
+  from jaxamp import policy as policy_lib
+  assert jaxamp.scaled.format_of(jaxamp.MXFP8Scaling()).min_compute_capability == 10.0
+  assert "compute capability >= 10.0" in policy_lib._fast_path_missing(
+      jaxamp.get_policy("mixed_mxfp8"))
+  assert "compute capability >= 8.9" in policy_lib._fast_path_missing(
+      jaxamp.get_policy("mixed_fp8_block"))
+
+
 def test_policy_names_recipe_checks_and_describe():
   p = jaxamp.get_policy("mixed_mxfp8")
   assert p == jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, jaxamp.MXFP8Scaling())
