@@ -1,5 +1,6 @@
 """Tests for make_train_step and TrainStep: end to end, compiling once, donation, step_fn, eval, compiler options."""
 
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +66,18 @@ def test_mixed_matches_float32_within_tolerance(api):
     np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
 
 
-def test_compiles_once_and_donates_buffers():
+def test_compiles_once_and_donates_buffers(caplog):
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="mixed_bfloat16")
   state = init(train, "nnx")
   old = state
-  for b in make_batches(4):
-    state, _ = train.step(state, b)
+  # XLA compiles the step once: init's state is committed, as the state a step returns
+  # (an uncommitted first state compiled a second program on the second step).
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+    for b in make_batches(4):
+      state, _ = train.step(state, b)
+  compiles = [r for r in caplog.records
+              if "Finished XLA compilation of jit(_step_impl)" in r.getMessage()]
+  assert len(compiles) == 1, [r.getMessage() for r in compiles]
   assert train.trace_count == 1
   assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
   assert int(state.step) == 4

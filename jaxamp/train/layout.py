@@ -47,13 +47,19 @@ def place(tree: Any, shardings: Any) -> Any:
 
 def placed_at_init(plan: Plan, state: TrainState) -> tuple[Plan, TrainState]:
   """``init``'s plan with the state's shardings (sharded params) and its state placed on
-  them: replicated over the mesh without ``param_sharding``, as it is without a mesh."""
+  them: replicated over the mesh without ``param_sharding``; without a mesh each array
+  committed to the device it is on, as the step's own output is: an uncommitted input
+  state and the committed state a step returns compile to two programs (the second
+  step would compile the step again)."""
   if plan.sharded:
     plan = dataclasses.replace(plan, state_shardings=state_shardings(plan, state))
     return plan, place(state, plan.state_shardings)
   if plan.mesh is not None:
     return plan, jax.device_put(state, plan.replicated())
-  return plan, state
+  return plan, jax.tree.map(
+      lambda x: (jax.device_put(x, x.sharding)
+                 if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                 and len(x.sharding.device_set) == 1 else x), state)
 
 
 def laid_out_state(plan: Plan, state: TrainState) -> TrainState:
