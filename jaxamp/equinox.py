@@ -213,6 +213,8 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
   compute = info.policy.compute_dtype
   if fn is eqx.nn.Linear.__call__ and fp8_lib.runs_fp8(info.base, info.policy):
     fn = _fp8_linear(info)
+  elif fn is eqx.nn.Conv.__call__ and fp8_lib.runs_fp8(info.base, info.policy):
+    fn = _fp8_conv(info)
   gather = fn is eqx.nn.Embedding.__call__  # a lookup: keep the table, cast the rows
   sliced = _owns_slices(module)  # FSDP, gather='layer': fields gathered where read
 
@@ -247,14 +249,18 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
 
 def fp8_classes() -> tuple[type, ...]:
   """The layers whose matmul runs in FP8 under an FP8 policy."""
-  return (eqx.nn.Linear,)
+  return (eqx.nn.Linear, eqx.nn.Conv)
+
+
+fp8_lib.hook_conv_classes(lambda: (eqx.nn.Conv,))
 
 
 def fp8_rows(model: Any, rows: list[Any]) -> list[Any]:
   """The rows of ``module_policies(model)`` that keep FP8 state: all but layers holding
   a stack of weights (one per step of a ``lax.scan``), which run with current scaling."""
   stacked = {path_name(path) for path, m in _walk(model)
-             if isinstance(m, eqx.nn.Linear) and np.ndim(m.weight) > 2}
+             if (isinstance(m, eqx.nn.Linear) and np.ndim(m.weight) > 2)
+             or (isinstance(m, eqx.nn.Conv) and np.ndim(m.weight) > m.num_spatial_dims + 2)}
   return [row for row in rows if row[0] not in stacked]
 
 
@@ -273,6 +279,57 @@ def _fp8_linear(info: _Info) -> Callable[..., Any]:
     return y[..., 0] if self.out_features == "scalar" else y
 
   return call
+
+
+def _fp8_conv(info: _Info) -> Callable[..., Any]:
+  """``eqx.nn.Conv.__call__`` with its convolution an FP8 one
+  (:func:`jaxamp.scaled.conv_for`), run once on a whole batch under ``jax.vmap``."""
+
+  def call(self, x, *, key=None):
+    del key
+    if x.ndim != self.num_spatial_dims + 1:
+      raise ValueError(f"Input to `Conv` needs to have rank {self.num_spatial_dims + 1}, "
+                       f"but input has shape {x.shape}.")
+    if self.padding_mode != "ZEROS":
+      x, padding = self._nonzero_pad(x), "VALID"
+    else:
+      padding = self.padding
+    conv = scaled.conv_for(info.fp8_path, info.policy.fp8, f"Conv {info.fp8_path}")
+
+    def run(x, w):  # x: [N, C, *spatial]
+      return conv(x, w, self.stride, padding, rhs_dilation=self.dilation,
+                  feature_group_count=self.groups)
+
+    y = _one_conv_per_batch(run, info.fp8_path)(x, self.weight)
+    if self.use_bias:
+      y = y + self.bias
+    return y
+
+  return call
+
+
+def _one_conv_per_batch(run: Callable[..., Any], path: str) -> Callable[[Any, Any], Any]:
+  """One example's convolution (``x``: ``[C, *spatial]``) that, under ``jax.vmap``, runs
+  once on the batch (its ``N`` dimension): one scale and amax for the batch, as
+  :func:`_one_matmul_per_batch` does for a ``Linear``."""
+
+  def one(x, w):
+    return run(x[None], w)[0]
+
+  @jax.custom_batching.custom_vmap
+  def batched(x, w):
+    return one(x, w)
+
+  @batched.def_vmap
+  def _rule(axis_size, in_batched, x, w):
+    del axis_size
+    scaled.retraced(path)  # this trace replaces the one custom_vmap made of `batched`
+    x_mapped, w_mapped = in_batched
+    if w_mapped:
+      return jax.vmap(one, in_axes=(0 if x_mapped else None, 0))(x, w), True
+    return run(x, w), True  # the batch is the convolution's N
+
+  return batched
 
 
 def _one_matmul_per_batch(dot: Callable[..., Any], path: str) -> Callable[[Any, Any], Any]:

@@ -2,7 +2,8 @@
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
 with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
-projections included), Linen ``Dense``/``DenseGeneral`` and Equinox ``Linear`` layers in FP8
+projections included) and ``Conv``, Linen ``Dense``/``DenseGeneral``/``Conv`` and Equinox
+``Linear``/``Conv`` layers in FP8
 and everything else in its compute dtype (bfloat16 for the named ones): norms, softmax,
 attention scores, the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
@@ -59,6 +60,7 @@ __all__ = [
     "Fp8Recipe",
     "PerTensorFp8",
     "init_meta",
+    "scaled_conv_general_dilated",
     "scaled_dot_general",
     "update_scales",
 ]
@@ -244,6 +246,112 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   return out.astype(dtype)
 
 
+def _conv(lhs, rhs, params):
+  strides, padding, lhs_dil, rhs_dil, dn, groups, batch_groups = params
+  return lax.conv_general_dilated(lhs, rhs, strides, padding, lhs_dil, rhs_dil, dn,
+                                  groups, batch_groups, preferred_element_type=_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_conv(lhs, rhs, history, scale, params, delayed, margin):
+  return _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin)[0]
+
+
+def _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin):
+  # As _fp8_dot_fwd: E4M3 operands straight into the convolution, float32 accumulation.
+  a_lhs, a_rhs = _amax(lhs), _amax(rhs)
+  if delayed:
+    s_lhs, s_rhs = scale[INPUT], scale[KERNEL]
+  else:
+    s_lhs, s_rhs = _current_scale(a_lhs, _MAX[INPUT], margin), _current_scale(
+        a_rhs, _MAX[KERNEL], margin)
+  q_lhs, q_rhs = quantize(lhs, E4M3, s_lhs), quantize(rhs, E4M3, s_rhs)
+  out = _conv(q_lhs, q_rhs, params)
+  nonfinite = jnp.where(jnp.isfinite(a_lhs) & jnp.isfinite(a_rhs), 0.0, jnp.nan)
+  out = (out / (s_lhs * s_rhs) + nonfinite.astype(_F32)).astype(lhs.dtype)
+  residuals = (q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs,
+               jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return out, residuals
+
+
+def _fp8_conv_bwd(params, delayed, margin, residuals, g):
+  q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs, lhs_like, rhs_like = residuals
+  a_g = _amax(g)
+  s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
+  q_g = quantize(g, E5M2, s_g)
+  # lax's own transposes of the convolution (strides, dilation, padding and groups
+  # handled as lax handles them), on the FP8 values widened to float32, which holds
+  # them exactly: the products are those of the E5M2 gradient and the E4M3 operands,
+  # accumulated in float32. (lax's transpose rules cast both operands to the
+  # gradient's dtype: the E4M3 kernel rounded to E5M2, so they are not run on FP8.)
+  _, transpose = jax.vjp(lambda l, r: _conv(l, r, params), q_lhs.astype(_F32),
+                         q_rhs.astype(_F32))
+  d_lhs, d_rhs = transpose(q_g.astype(_F32))
+  overflow = jnp.where(jnp.isfinite(a_g), 0.0, jnp.nan).astype(_F32)
+  d_lhs = (d_lhs / (s_g * s_rhs) + overflow).astype(lhs_like.dtype)
+  d_rhs = (d_rhs / (s_g * s_lhs) + overflow).astype(rhs_like.dtype)
+  amaxes = jnp.stack([a_lhs, a_rhs, a_g])
+  used = jnp.asarray(_MAX, _F32) / jnp.stack([s_lhs, s_rhs, s_g])
+  amaxes = jnp.where(jnp.isfinite(amaxes), amaxes, used)
+  new_history = jnp.roll(history, 1, axis=1).at[:, 0].set(amaxes)
+  return d_lhs, d_rhs, new_history, jnp.zeros_like(scale)
+
+
+_fp8_conv.defvjp(_fp8_conv_fwd, _fp8_conv_bwd)
+
+
+def _hashable(x: Any) -> Any:
+  if isinstance(x, str) or x is None:
+    return x
+  return tuple(_hashable(i) for i in x) if isinstance(x, (list, tuple)) else int(x)
+
+
+def scaled_conv_general_dilated(
+    lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any,
+    lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None, feature_group_count: int = 1,
+    batch_group_count: int = 1, precision: Any = None, preferred_element_type: Any = None,
+    *, meta: Fp8Meta | None = None, recipe: Fp8Recipe | None = None,
+    **kwargs: Any) -> jax.Array:
+  """``lax.conv_general_dilated`` with FP8 operands: E4M3 input and kernel (one scale
+  each), E5M2 output gradient, float32 accumulation; as :func:`scaled_dot_general`.
+
+  The backward convolutions are lax's own transposes of this one (any strides,
+  dilations, padding, ``feature_group_count``), run on the FP8 values widened to float32
+  (exact): the same products as FP8 operands, accumulated in float32.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> x, k = jnp.full((1, 5, 2), 3.0), jnp.full((3, 2, 4), 0.5)  # NWC, WIO
+    >>> y = jaxamp.fp8.scaled_conv_general_dilated(
+    ...     x, k, (1,), 'VALID', dimension_numbers=('NWC', 'WIO', 'NWC'))
+    >>> y.shape, round(float(y[0, 0, 0]), 4)
+    ((1, 3, 4), 9.0)
+  """
+  del precision
+  if kwargs.get("out_sharding") is not None:
+    raise NotImplementedError("jaxamp's FP8 convolution takes no out_sharding; shard its "
+                              "inputs.")
+  unknown = set(kwargs) - {"out_sharding"}
+  if unknown:
+    raise TypeError(f"scaled_conv_general_dilated got unexpected arguments {sorted(unknown)}.")
+  recipe = CurrentScaling() if recipe is None else recipe
+  delayed = isinstance(recipe, DelayedScaling) and meta is not None
+  if meta is None:
+    meta = init_meta(CurrentScaling())
+  dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
+  spatial = lhs.ndim - 2
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  params = (_hashable(window_strides),
+            padding if isinstance(padding, str) else _hashable(padding),
+            _hashable(lhs_dilation or (1,) * spatial), _hashable(rhs_dilation or (1,) * spatial),
+            lax.ConvDimensionNumbers(*map(_hashable, dn)), int(feature_group_count),
+            int(batch_group_count))
+  out = _fp8_conv(lhs, rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs,
+                  meta.amax_history, meta.scale, params, delayed, recipe.margin)
+  return out.astype(dtype)
+
+
 # --- the format: how the train step runs and updates it (jaxamp.scaled's protocol) ----
 
 
@@ -262,6 +370,15 @@ class PerTensorFp8(scaled.ScaledFormat):
                   preferred_element_type=None, *, state, recipe, **kwargs):
     return scaled_dot_general(lhs, rhs, dimension_numbers, precision,
                               preferred_element_type, meta=state, recipe=recipe, **kwargs)
+
+  def conv_general_dilated(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
+                           rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                           batch_group_count=1, precision=None, preferred_element_type=None,
+                           *, state, recipe, **kwargs):
+    return scaled_conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        feature_group_count, batch_group_count, precision, preferred_element_type,
+        meta=state, recipe=recipe, **kwargs)
 
   def reduce(self, cotangent: Fp8Meta, recipe: Fp8Recipe, axes: Any) -> Fp8Meta:
     # Transformer Engine's amax all-reduce: the newest amaxes maxed over the devices, so
@@ -407,13 +524,20 @@ def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
 def nnx_classes() -> tuple[type, ...]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
 
 
 def linen_classes() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  return (nn.Dense, nn.DenseGeneral)
+  return (nn.Dense, nn.DenseGeneral, nn.Conv)
+
+
+def _flax_convs() -> tuple[type, ...]:
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return (nnx.Conv, nn.Conv)
 
 
 # Each registered model library's FP8 layer classes (jaxamp.adapters.register hooks
@@ -427,11 +551,39 @@ def hook_classes(classes: Callable[[], tuple[type, ...]]) -> None:
   _hooked.append(classes)
 
 
+# Which of those are convolution layers (they run FP8 where the format has a convolution).
+_hooked_convs: list[Callable[[], tuple[type, ...]]] = [_flax_convs]
+
+
+def hook_conv_classes(classes: Callable[[], tuple[type, ...]]) -> None:
+  """Registers a function giving the convolution layer classes among those of
+  :func:`hook_classes`: they run FP8 only where the policy's format defines
+  :meth:`jaxamp.scaled.ScaledFormat.conv_general_dilated`."""
+  _hooked_convs.append(classes)
+
+
+def is_conv(cls: type) -> bool:
+  """Whether ``cls`` is a convolution layer FP8 hooks."""
+  return any(issubclass(cls, classes()) for classes in _hooked_convs)
+
+
+# Layers of libraries jaxamp never imports, known by (module, class name); the Linen
+# wrapper runs their calls as jaxamp.hf_layers writes them.
+NAMED_LAYERS = frozenset({("transformers.models.gpt2.modeling_flax_gpt2", "FlaxConv1D")})
+
+
+def named_layer(cls: type) -> bool:
+  """Whether ``cls`` is (a subclass of) a layer of :data:`NAMED_LAYERS`."""
+  return any((c.__module__, c.__name__) in NAMED_LAYERS for c in cls.__mro__)
+
+
 def runs_fp8(cls: type, policy: Any) -> bool:
   """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
   if getattr(policy, "fp8", None) is None:
     return False
-  return any(issubclass(cls, classes()) for classes in _hooked)
+  if not (named_layer(cls) or any(issubclass(cls, classes()) for classes in _hooked)):
+    return False
+  return not is_conv(cls) or scaled.runs_conv(policy.fp8)
 
 
 def nnx_stacked(module: Any) -> bool:
@@ -440,7 +592,7 @@ def nnx_stacked(module: Any) -> bool:
   run with current scaling and get no state."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if isinstance(module, nnx.Einsum):
+  if isinstance(module, (nnx.Einsum, nnx.Conv)):
     declared = len(module.kernel_shape)
   elif isinstance(module, nnx.LinearGeneral):
     declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
@@ -449,8 +601,8 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
-_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Linen Dense, DenseGeneral and Equinox "
-           "Linear")
+_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, Linen Dense, DenseGeneral, Conv, Hugging "
+           "Face FlaxConv1D and Equinox Linear, Conv")
 
 
 def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
@@ -461,7 +613,7 @@ def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
   A layer matmul is a ``dot_general`` without batch dimensions (an input times a kernel);
   products of two activations (attention scores and values, batched per example and
   head) stay in the compute dtype under FP8 by design, and are not counted, nor are
-  convolutions (FP8 runs dense layers only). Layers FP8 hooks (``classes`` says which)
+  convolutions (a convolution layer FP8 cannot run is named by :func:`warn_if_unused`). Layers FP8 hooks (``classes`` says which)
   are skipped: a matmul of theirs without FP8 runs the user's own ``dot_general``.
 
   Args:
@@ -547,6 +699,19 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
   """
   if not any(getattr(p, "fp8", None) is not None for _, _, p in plan):
     return
+  convs = [(path, p) for path, cls, p in plan
+           if getattr(p, "fp8", None) is not None and is_conv(cls) and not runs_fp8(cls, p)]
+  if convs:
+    names = sorted({scaled.format_of(p.fp8).name for _, p in convs})
+    paths = [repr(path or "(model)") for path, _ in convs]
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    _warn_once.warn_once(
+        ("fp8.unreached_conv", model, tuple(paths)),
+        f"jaxamp: the convolution layers {shown} of {model} run in the compute dtype, not "
+        f"in {'/'.join(names)}: that format defines no convolution "
+        "(ScaledFormat.conv_general_dilated); the per-tensor FP8 recipes ('mixed_fp8', "
+        "'mixed_fp8_current') run them. Keep them out of it with jaxamp.set_policy(<class or "
+        "path>, 'mixed_bfloat16') to silence this.", RuntimeWarning, stacklevel=stacklevel)
   if not any(runs_fp8(cls, p) for _, cls, p in plan):
     classes = sorted({cls.__name__ for _, cls, _ in plan})
     warnings.warn(
@@ -580,8 +745,11 @@ def recipes_of(plan: Any) -> dict[str, Fp8Recipe]:
 
 def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   """The attributes an NNX module gets under ``policy``: its FP8 ``dot_general`` (Linear,
-  LinearGeneral) or ``einsum_op`` (Einsum); none for other modules and policies."""
+  LinearGeneral), ``einsum_op`` (Einsum) or ``conv_general_dilated`` (Conv, where the
+  format has one); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
+    return {}
+  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
     return {}
   path = None
   scope = scaled.current()
@@ -591,6 +759,10 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   attrs = vars(module)
+  if isinstance(module, nnx.Conv):
+    if attrs.get("conv_general_dilated") is not lax.conv_general_dilated:
+      return {}  # the user's own convolution: theirs to keep
+    return {"conv_general_dilated": scaled.conv_for(path, policy.fp8, what)}
   if isinstance(module, nnx.Einsum):
     if attrs.get("einsum_op") is not jnp.einsum:
       return {}  # the user's own op: theirs to keep
@@ -604,16 +776,24 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
 
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
                  lifted: bool = False) -> dict[str, Any]:
-  """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 layers.
+  """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 dense
+  layers, ``conv_general_dilated`` for ``nn.Conv`` (where the format has one).
 
   ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``), once
   per slice of its stacked parameters: it gets no state (current scaling).
   """
   if getattr(policy, "fp8", None) is None or not isinstance(module, linen_classes()):
     return {}
+  name = "/".join(path)
+  if isinstance(module, _flax_convs()):
+    if not scaled.runs_conv(policy.fp8) or module.conv_general_dilated_cls is not None or (
+        module.conv_general_dilated is not None
+        and not getattr(module.conv_general_dilated, "jaxamp_fp8", False)):
+      return {}  # no convolution in the format, or the user's own
+    return {"conv_general_dilated": scaled.conv_for(None if lifted else name, policy.fp8,
+                                                    f"{type(module).__name__} {name}")}
   if module.dot_general_cls is not None or (
       module.dot_general is not None and not getattr(module.dot_general, "jaxamp_fp8", False)):
     return {}  # the user's own dot (a lifted clone inherits ours: it gets its own)
-  name = "/".join(path)
   return {"dot_general": scaled.dot_for(None if lifted else name, policy.fp8,
                                   f"{type(module).__name__} {name}")}

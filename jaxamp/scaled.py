@@ -65,6 +65,7 @@ __all__ = [
     "ScaledFormat",
     "describe",
     "described_in",
+    "conv_for",
     "format_of",
     "is_recipe",
     "matmul_layout",
@@ -74,6 +75,7 @@ __all__ = [
     "policy_recipe",
     "recipe_named",
     "register",
+    "runs_conv",
     "state_scope",
     "unregister",
 ]
@@ -110,6 +112,18 @@ class ScaledFormat(abc.ABC):
     (outside a train step). In a train step the state is differentiated: its cotangent
     is what :meth:`update` receives (a ``custom_vjp`` hands out what the pass observed,
     such as the amaxes of the output gradient)."""
+
+  def conv_general_dilated(self, lhs: jax.Array, rhs: jax.Array, window_strides: Any,
+                           padding: Any, lhs_dilation: Any = None, rhs_dilation: Any = None,
+                           dimension_numbers: Any = None, feature_group_count: int = 1,
+                           batch_group_count: int = 1, precision: Any = None,
+                           preferred_element_type: Any = None, *, state: Any,
+                           recipe: Any) -> jax.Array:
+    """Optional: a convolution layer's convolution (``lhs`` the input, ``rhs`` the
+    kernel), as ``lax.conv_general_dilated``, with ``state`` as for :meth:`dot_general`.
+    A format that does not define it leaves convolution layers in the compute dtype
+    (with a warning naming them): :func:`runs_conv` tells."""
+    raise NotImplementedError(f"the {self.name} format runs no convolutions")
 
   @abc.abstractmethod
   def update(self, state: Any, cotangent: Any, recipe: Any) -> Any:
@@ -354,27 +368,24 @@ def retraced(path: str | None) -> None:
     scope.used.discard(path)
 
 
-def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
-  """The ``dot_general`` of the module at ``path`` (``what`` names it in messages) in the
-  running scope: its format's, with its state.
-
-  The state is read when the module's matmul runs, not before: a module whose matmul
-  does not run (an outer-product einsum) keeps its state, and one whose matmul runs
-  twice in a step is refused.
-  """
+def _checked(path: str | None, recipe: Any, what: str) -> tuple[ScaledFormat, Any,
+                                                                   Callable[[], None]]:
+  """The format of ``recipe``, the state of the module at ``path`` in the running scope,
+  and the check its operation runs when it runs (not before: a module whose matmul does
+  not run, an outer-product einsum, keeps its state; one run twice in a step is
+  refused)."""
   scope = current()
   state = scope.state.get(path) if scope is not None and path is not None else None
   fmt = format_of(recipe)
 
-  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-          **kwargs):
+  def check():
     # Warned when the matmul runs, not when the layer is set up: a lifted transform's
     # wrapper (nn.remat's) gets a dot that only its clone, named by its own path, runs.
     if scope is not None and scope.record and state is None:
       message = fmt.stateless_warning(recipe, what)
       if message is not None:
         _warn_once.warn_once(("fp8.stateless", what), message, RuntimeWarning,
-                             stacklevel=2)
+                             stacklevel=3)
     if state is not None and scope.record:
       if path in scope.used:
         raise ValueError(
@@ -383,6 +394,23 @@ def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
             f"Keep it out of {fmt.name} with jaxamp.set_policy({path!r}, "
             "'mixed_bfloat16').")
       scope.used.add(path)
+
+  return fmt, state, check
+
+
+def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
+  """The ``dot_general`` of the module at ``path`` (``what`` names it in messages) in the
+  running scope: its format's, with its state.
+
+  The state is read when the module's matmul runs, not before: a module whose matmul
+  does not run (an outer-product einsum) keeps its state, and one whose matmul runs
+  twice in a step is refused.
+  """
+  fmt, state, check = _checked(path, recipe, what)
+
+  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+          **kwargs):
+    check()
     if kwargs.get("out_sharding", "absent") is None:
       del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
     with jax.named_scope(scope_name(recipe)):
@@ -419,6 +447,34 @@ def matmul_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
   a = jax.numpy.transpose(lhs, (*lb, *lfree, *lc)).reshape(*batch, math.prod(m_shape), k)
   b = jax.numpy.transpose(rhs, (*rb, *rc, *rfree)).reshape(*batch, k, math.prod(n_shape))
   return a, b, lambda out: out.reshape(*batch, *m_shape, *n_shape)
+
+
+def runs_conv(recipe: Any) -> bool:
+  """Whether ``recipe``'s format defines :meth:`ScaledFormat.conv_general_dilated`."""
+  fmt = _lookup(recipe)
+  return fmt is not None and (type(fmt).conv_general_dilated
+                              is not ScaledFormat.conv_general_dilated)
+
+
+def conv_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
+  """The ``conv_general_dilated`` of the convolution layer at ``path`` in the running
+  scope: its format's, with its state, checked as :func:`dot_for`'s dot."""
+  fmt, state, check = _checked(path, recipe, what)
+
+  def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+           dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+           precision=None, preferred_element_type=None, **kwargs):
+    check()
+    if kwargs.get("out_sharding", "absent") is None:
+      del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
+    with jax.named_scope(scope_name(recipe)):  # reports name the format
+      return fmt.conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+          feature_group_count, batch_group_count, precision, preferred_element_type,
+          state=state, recipe=recipe, **kwargs)
+
+  conv.jaxamp_fp8 = True
+  return conv
 
 
 def merge_state(old: Mapping[str, Any], cotangent: Mapping[str, Any], used: set[str],

@@ -41,7 +41,7 @@ FACTORS = {
 # optimizer state holding the parameters' own arrays, and a state made by a step of
 # another policy (its loss-scale and FP8 state fitted to the row's policy at the first
 # step). Not factors: the covering array, and the rows it has been checked on, stay.
-EXTRA = {"optimizer": "sgd", "resume": "none"}
+EXTRA = {"optimizer": "sgd", "resume": "none", "net": "mlp"}
 EXTRA_ROWS = [
     dict(model="nnx", layout="fsdp", policy="mixed_float16", accum=1, state="none",
          fault="none", residuals="half", batch="arrays",
@@ -63,6 +63,17 @@ EXTRA_ROWS = [
     # emulation pads the matrix's 16 features and 4 rows per device to 128.)
     dict(model="nnx", layout="fsdp", policy="mixed_fp8_block", accum=2, state="none",
          fault="inf on one device", residuals="half", batch="arrays", **EXTRA),
+    # FP8 convolutions (issue 43): a small CNN in each library, its conv layers' delayed
+    # amaxes maxed over the devices as a Dense's.
+    dict(model="nnx", layout="fsdp", policy="mixed_fp8", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", optimizer="sgd",
+         resume="none", net="cnn"),
+    dict(model="linen", layout="replicated", policy="mixed_fp8", accum=1, state="none",
+         fault="none", residuals="half", batch="arrays", optimizer="sgd", resume="none",
+         net="cnn"),
+    dict(model="equinox", layout="replicated", policy="mixed_fp8", accum=1, state="none",
+         fault="none", residuals="half", batch="arrays", optimizer="sgd", resume="none",
+         net="cnn"),
 ]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
@@ -99,7 +110,8 @@ def pairwise(factors):
 
 def all_rows():
   """The covering array's rows, then EXTRA_ROWS; every row has EXTRA's keys."""
-  return [{**row, **EXTRA} for row in pairwise(FACTORS)] + EXTRA_ROWS
+  return ([{**row, **EXTRA} for row in pairwise(FACTORS)]
+          + [{**EXTRA, **row} for row in EXTRA_ROWS])
 
 
 def averaged_params(decay=0.5):
@@ -190,6 +202,52 @@ def equinox_net(state):
   return EqxNet(jax.random.key(0))
 
 
+class NNXCNN(nnx.Module):
+  """A 16-feature row as a 4x4 one-channel image: a strided and a grouped convolution,
+  then a dense head."""
+
+  def __init__(self, rngs):
+    self.c1 = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+    self.c2 = nnx.Conv(8, 8, (3, 3), strides=(2, 2), feature_group_count=2, rngs=rngs)
+    self.out = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.c1(x.reshape(-1, 4, 4, 1)))
+    return self.out(jax.nn.relu(self.c2(h)).mean((1, 2)))
+
+
+class LinenCNN(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = jax.nn.relu(nn.Conv(8, (3, 3))(x.reshape(-1, 4, 4, 1)))
+    h = jax.nn.relu(nn.Conv(8, (3, 3), strides=2, feature_group_count=2)(h))
+    return nn.Dense(8)(h.mean((1, 2)))
+
+
+def equinox_cnn():
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  class EqxCNN(eqx.Module):
+    c1: eqx.nn.Conv2d
+    c2: eqx.nn.Conv2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2, k3 = jax.random.split(key, 3)
+      self.c1 = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+      self.c2 = eqx.nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, key=k2)
+      self.out = eqx.nn.Linear(8, 8, key=k3)
+
+    def __call__(self, x):
+      def one(x):
+        h = jax.nn.relu(self.c1(x.reshape(1, 4, 4)))
+        return self.out(jax.nn.relu(self.c2(h)).mean((1, 2)))
+      return jax.vmap(one)(x)
+
+  return EqxCNN(jax.random.key(0))
+
+
 def loss_fn(model, batch):
   x = batch["x"]
   if "key" in batch:  # each row's noise from its own key: the same on every layout
@@ -249,7 +307,15 @@ def made(row, mesh):
       loss_fn, tx, policy=policy, grad_accum_steps=row["accum"],
       sharding=sharding, memory=jaxamp.MemoryConfig(half_residuals=row["residuals"] == "half"))
   train = step(row["policy"])
-  if row["model"] == "equinox":
+  if row["net"] == "cnn":
+    if row["model"] == "equinox":
+      args = (equinox_cnn(),)
+    elif row["model"] == "nnx":
+      args = (NNXCNN(nnx.Rngs(0)),)
+    else:
+      x = jnp.zeros((BATCH, 16))
+      args = (LinenCNN(), LinenCNN().init(jax.random.key(0), x), x)
+  elif row["model"] == "equinox":
     args = (equinox_net(row["state"]),)
   elif row["model"] == "nnx":
     with nnx.use_eager_sharding(False):  # annotations only: the train step lays out
@@ -319,7 +385,7 @@ def largest(a_tree, b_tree, relative=False):
 
 def compare(row, mesh, references):
   key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals",
-                               "batch", "optimizer", "resume"))
+                               "batch", "optimizer", "resume", "net"))
   try:
     if key not in references:
       references[key] = run(row, None)

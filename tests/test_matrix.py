@@ -10,7 +10,8 @@ inf skipped bit-identically, the same FP8 state, and every replicated leaf the s
 every device. A combination that cannot match must be refused by make_train_step or init
 with a clear error: an Equinox model with state (BatchNorm, counters in eqx.nn.State) is.
 Rows after the covering array's (``matrix_script.EXTRA_ROWS``) add an optimizer state
-holding the parameters' own arrays and a state resumed from a step of another policy.
+holding the parameters' own arrays, a state resumed from a step of another policy, and a
+small CNN per library under 'mixed_fp8' (FP8 convolutions, ``net='cnn'``).
 """
 
 import itertools

@@ -1,0 +1,213 @@
+"""FP8 convolutions (jaxamp.fp8.scaled_conv_general_dilated and the conv layers it hooks:
+NNX Conv, Linen Conv, Equinox Conv): FP8 operands in the lowered program, the forward
+and backward passes against a float32 reference of the dequantized operands, training
+with delayed-scaling state, the exact skip, and a format without a convolution."""
+
+import warnings
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*XLA on CPU runs FP8.*", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message=".*still run in float32.*")
+    yield
+
+
+def dequantized(a, fp8_max, dtype):
+  """``a`` as the FP8 convolution sees it, in NumPy: scaled by its own amax (current
+  scaling), cast to ``dtype`` and back, descaled."""
+  a = np.asarray(a, np.float32)
+  scale = np.float32(fp8_max) / np.float32(np.abs(a).max())
+  return np.clip(a * scale, -fp8_max, fp8_max).astype(dtype).astype(np.float32) / scale
+
+
+def ref_conv(x, w, kw):
+  return jax.lax.conv_general_dilated(jnp.asarray(x), jnp.asarray(w), **kw,
+                                      precision=jax.lax.Precision.HIGHEST)
+
+
+# (input shape, kernel shape, conv arguments): 1-, 2- and 3-d, strides, dilations,
+# explicit and named padding, grouped.
+CASES = [
+    ((2, 11, 4), (3, 4, 6), dict(window_strides=(2,), padding="SAME",
+                                 dimension_numbers=("NWC", "WIO", "NWC"))),
+    ((2, 9, 9, 4), (3, 3, 2, 6), dict(window_strides=(2, 1), padding=((1, 0), (2, 1)),
+                                      rhs_dilation=(1, 2), feature_group_count=2,
+                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    ((1, 3, 5, 6, 4), (8, 3, 2, 3, 3), dict(window_strides=(1, 1, 2), padding=((0, 0), (1, 1), (0, 1)),
+                                            lhs_dilation=(1, 2, 1),
+                                            dimension_numbers=("NCDHW", "OIDHW", "NCDHW"))),
+]
+
+
+@pytest.mark.parametrize("shapes", [
+    pytest.param(CASES[0], id="1d", marks=pytest.mark.slow),
+    pytest.param(CASES[1], id="2d-grouped-dilated"),
+    pytest.param(CASES[2], id="3d-lhs-dilated", marks=pytest.mark.slow)])
+def test_forward_and_backward_match_a_float32_reference_of_the_fp8_operands(shapes):
+  """Forward: the convolution of the E4M3-rounded operands (descaled), float32 sums.
+  Backward: lax's transposes of it applied to the E5M2-rounded output gradient. Within
+  1e-5 of the largest value (float32 summation order only)."""
+  xs, ws, kw = shapes
+  rng = np.random.RandomState(0)
+  x, w = rng.randn(*xs).astype(np.float32), rng.randn(*ws).astype(np.float32)
+  g = rng.randn(*jax.eval_shape(lambda: ref_conv(x, w, kw)).shape).astype(np.float32)
+  qx, qw, qg = (dequantized(x, 448, E4M3), dequantized(w, 448, E4M3),
+                dequantized(g, 57344, E5M2))
+
+  @jax.jit
+  def both(x, w, g, qx, qw, qg):
+    y, pull = jax.vjp(lambda x, w: jaxamp.fp8.scaled_conv_general_dilated(x, w, **kw), x, w)
+    want, ref_pull = jax.vjp(lambda x, w: ref_conv(x, w, kw), qx, qw)
+    return y, pull(g), want, ref_pull(qg), ref_conv(x, w, kw)
+
+  y, got, want, grads, plain = both(x, w, g, qx, qw, qg)
+  assert y.dtype == jnp.float32 and y.shape == want.shape
+  np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  assert not np.allclose(y, plain, rtol=0, atol=1e-6)  # it did round
+  for a, b in zip(got, grads):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+def _convs(text):
+  return [line for line in text.splitlines() if "stablehlo.convolution" in line]
+
+
+def test_fp8_operands_in_the_lowered_program_cpu_and_cuda():
+  x, w = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
+  kw = dict(window_strides=(1, 1), padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(
+      jaxamp.fp8.scaled_conv_general_dilated(x, w, **kw)), (0, 1)))
+  for platforms in (None, ("cuda",)):
+    lowered = f.trace(x, w).lower(lowering_platforms=platforms)
+    convs = _convs(lowered.as_text())
+    # forward: both operands E4M3, float32 result; the two transposes take the FP8
+    # values widened to float32.
+    assert len(convs) == 3, convs
+    assert sum("tensor<2x8x8x3xf8E4M3FN>, tensor<3x3x3x4xf8E4M3FN>) -> tensor<2x8x8x4xf32>"
+               in c for c in convs) == 1, convs
+
+
+class _NNXCNN(nnx.Module):
+
+  def __init__(self, rngs):
+    self.c1 = nnx.Conv(3, 8, (3, 3), strides=(2, 2), rngs=rngs)
+    self.c2 = nnx.Conv(8, 8, (3, 3), feature_group_count=4, kernel_dilation=(2, 2), rngs=rngs)
+    self.out = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.c2(nnx.relu(self.c1(x))))
+    return self.out(x.mean((1, 2)))
+
+
+class _LinenCNN(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+    x = nn.relu(nn.Conv(8, (3,), feature_group_count=2, padding="CAUSAL")(
+        x.reshape(x.shape[0], -1, 8)))
+    return nn.Dense(4)(x.mean(1))
+
+
+class _EqxCNN(eqx.Module):
+  c1: eqx.nn.Conv2d
+  c2: eqx.nn.Conv1d
+  out: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    self.c1 = eqx.nn.Conv2d(3, 8, 3, stride=2, padding=1, key=k1)
+    self.c2 = eqx.nn.Conv1d(8, 8, 3, groups=4, dilation=2, key=k2)
+    self.out = eqx.nn.Linear(8, 4, key=k3)
+
+  def __call__(self, x):  # one example, channels first
+    x = jax.nn.relu(self.c1(x))
+    x = jax.nn.relu(self.c2(x.reshape(8, -1)))
+    return self.out(x.mean(1))
+
+
+def _xent(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _setup(library):
+  """(train step, state, batch, path of the first conv, its input's amax)"""
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8, 8, 3), jnp.float32)
+  y = jnp.arange(4) % 4
+  if library == "nnx":
+    train = jaxamp.make_train_step(lambda m, b: _xent(m(b[0]), b[1]), optax.adam(1e-2),
+                                   policy="mixed_fp8")
+    return train, train.init(_NNXCNN(nnx.Rngs(0))), (x, y), "c1", ("c1", "c2", "out")
+  if library == "linen":
+    model = _LinenCNN()
+    train = jaxamp.make_train_step(lambda m, b: _xent(m(b[0]), b[1]), optax.adam(1e-2),
+                                   policy="mixed_fp8")
+    state = train.init(model, model.init(jax.random.key(0), x), x)
+    return train, state, (x, y), "Conv_0", ("Conv_0", "Conv_1", "Dense_0")
+  x = jnp.transpose(x, (0, 3, 1, 2))
+  train = jaxamp.make_train_step(lambda m, b: _xent(jax.vmap(m)(b[0]), b[1]),
+                                 optax.adam(1e-2), policy="mixed_fp8")
+  return train, train.init(_EqxCNN(jax.random.key(0))), (x, y), "c1", ("c1", "c2", "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("library", ["nnx", "linen", "equinox"])
+def test_conv_layers_train_with_delayed_state_and_skip_a_nonfinite_batch(library,
+                                                                        fresh_warnings):
+  train, state, batch, first, paths = _setup(library)
+  assert set(state.fp8) == set(paths)  # every conv and dense layer keeps its own state
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback, no unreached-layer warning
+    for _ in range(2):
+      state, metrics = train.step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  history = np.asarray(state.fp8[first].amax_history)
+  # The input's amax, once per batch (Equinox under vmap too: the batch is one tensor),
+  # as the bfloat16 input the layer reads.
+  amax = float(jnp.max(jnp.abs(batch[0].astype(jnp.bfloat16))))
+  np.testing.assert_array_equal(history[0, :2], [amax, amax])
+  assert (history[:, :2] > 0).all() and not history[:, 2:].any()
+  scales = np.asarray(state.fp8[first].scale)
+  np.testing.assert_allclose(scales, [448, 448, 57344] / history.max(axis=1), rtol=1e-6)
+  # the exact skip: a NaN in the batch changes neither the parameters nor the FP8 state
+  before = jax.tree.map(np.asarray, (state.params, state.fp8))
+  state, metrics = train.step(state, (batch[0].at[0, 0, 0, 0].set(jnp.nan), batch[1]))
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (state.params, state.fp8)),
+               before)
+  convs = _convs(train.lower(state, batch, platforms=("cuda",)).as_text())
+  assert sum(c.count("f8E4M3FN>") == 2 for c in convs) == 2, convs  # both forward convs
+
+
+def test_a_format_without_a_convolution_leaves_conv_layers_in_the_compute_dtype(
+    fresh_warnings):
+  """Rowwise FP8 defines no convolution: the conv layers run in bfloat16, get no state,
+  and a warning names them; the dense layer still runs its format."""
+  x = jnp.asarray(np.random.RandomState(0).randn(4, 8, 8, 3), jnp.float32)
+  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
+                                 policy="mixed_fp8_rowwise")
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state = train.init(_NNXCNN(nnx.Rngs(0)))
+  msgs = [str(w.message) for w in seen if "convolution layers" in str(w.message)]
+  assert len(msgs) == 1 and "'c1', 'c2'" in msgs[0] and "compute dtype" in msgs[0], msgs
+  assert "c1" not in (state.fp8 or {})
+  convs = _convs(train.lower(state, x).as_text())
+  assert convs and all("f8E4M3FN" not in c and "bf16" in c for c in convs), convs
