@@ -192,3 +192,34 @@ def test_a_former_attribute_reads_its_config_with_a_deprecation(attr, config, fi
     got = getattr(train, attr)
   assert got == value == getattr(getattr(train, config), field)
   assert caught[0].filename == __file__
+
+
+def test_master_weights_and_opt_state_dtype_keywords_are_memory_shorthands():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    train = jaxamp.make_train_step(loss_fn, TX, policy="bfloat16",
+                                   master_weights="stochastic", opt_state_dtype=jnp.bfloat16,
+                                   memory=jaxamp.MemoryConfig(donate=False))
+  assert train.memory == jaxamp.MemoryConfig(donate=False, master_weights="stochastic",
+                                             opt_state_dtype=jnp.bfloat16)
+  assert train.memory.rounding == "stochastic" and train.master_weights == "stochastic"
+  assert jaxamp.make_train_step(loss_fn, TX, master_weights=True).memory.rounding is None
+  with pytest.raises(ValueError, match=r"make_train_step got master_weights='kahan' and "
+                     r"memory= setting master_weights=True: give it once"):
+    jaxamp.make_train_step(loss_fn, TX, master_weights="kahan",
+                           memory=jaxamp.MemoryConfig(master_weights=True))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(master_weights="float32"),
+     r"master_weights must be True, False, None \(decided at init\), 'stochastic' or "
+     r"'kahan', got 'float32'"),
+    (dict(opt_state_dtype=jnp.int8),
+     r"opt_state_dtype must be a floating dtype of at most 32 bits .* got <class"),
+    (dict(master_weights="stochastic", opt_state_dtype=jnp.float16),
+     r"master_weights='stochastic' rounds the optimizer state stochastically, to "
+     r"bfloat16 only; got opt_state_dtype float16"),
+])
+def test_memory_modes_refuse_bad_values_naming_what_is_valid(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxamp.MemoryConfig(**kwargs)
