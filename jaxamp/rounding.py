@@ -72,11 +72,11 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxamp
-    >>> x = jnp.full((100_000,), 1.0 + 2 ** -9)  # a quarter of the way to the next
+    >>> x = jnp.full((20_000,), 1.0 + 2 ** -9)  # a quarter of the way to the next
     >>> r = jaxamp.stochastic_round(x, jax.random.key(0)).astype(jnp.float32)
     >>> sorted(set(r.tolist()))  # 1 and 1 + 2**-7, its neighbours
     [1.0, 1.0078125]
-    >>> round(float(r.mean()), 4)  # ~ 1 + 2**-9 = 1.00195
+    >>> round(float(r.mean()), 3)  # ~ 1 + 2**-9 = 1.00195
     1.002
   """
   x = jnp.asarray(x)
@@ -304,9 +304,6 @@ def opt_state_dtype(inner: optax.GradientTransformation, dtype: Any,
     >>> adam = state.inner_state[0]
     >>> adam.mu['w'].dtype, adam.nu['w'].dtype, adam.count.dtype
     (dtype(bfloat16), dtype(bfloat16), dtype('int32'))
-    >>> updates, state = tx.update({'w': jnp.ones((4,))}, state)
-    >>> updates['w'].dtype
-    dtype('float32')
   """
   if rounding not in ROUNDINGS:
     raise ValueError(f"opt_state_dtype rounding must be one of "
