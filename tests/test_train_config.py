@@ -34,7 +34,8 @@ FSDP = jaxamp.fsdp("data", min_size=1)
     (lambda: jaxamp.MemoryConfig(donate="no"),
      r"MemoryConfig.donate must be True or False, got 'no'"),
     (lambda: jaxamp.MemoryConfig(master_weights=1),
-     r"MemoryConfig.master_weights must be True, False or None \(decided at init\), got 1"),
+     r"MemoryConfig.master_weights must be True, False, None \(decided at init\), "
+     r"'stochastic' or 'kahan', got 1"),
     (lambda: jaxamp.MemoryConfig(recompute_norms=None),
      r"MemoryConfig.recompute_norms must be True or False, got None"),
     (lambda: jaxamp.MemoryConfig(half_residuals="yes"),
@@ -83,8 +84,6 @@ OLD = [
      "pass sharding=jaxamp.ShardingConfig(model_state_reduction=...)"),
     (dict(donate=False), "memory", jaxamp.MemoryConfig(donate=False),
      "make_train_step(donate=...) is deprecated; pass memory=jaxamp.MemoryConfig(donate=...)"),
-    (dict(master_weights=True), "memory", jaxamp.MemoryConfig(master_weights=True),
-     "pass memory=jaxamp.MemoryConfig(master_weights=...)"),
     (dict(recompute_norms=True), "memory", jaxamp.MemoryConfig(recompute_norms=True),
      "pass memory=jaxamp.MemoryConfig(recompute_norms=...)"),
     (dict(half_residuals=False), "memory", jaxamp.MemoryConfig(half_residuals=False),
