@@ -416,6 +416,22 @@ def test_rounding_modes_resume_from_a_host_copy_bit_identically(mode):
 
 
 @pytest.mark.slow
+def test_a_stochastic_rounding_state_resumes_from_orbax_bit_identically(tmp_path):
+  import orbax.checkpoint as ocp
+
+  batches = make_batches(3)
+  train, (straight, _) = _rounded_run("stochastic", batches)
+  _, (half, _) = _rounded_run("stochastic", batches[:2])
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "s", half)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "s", jaxamp.abstract_state(half))
+  assert restored.opt_state.rounding.key.dtype == jnp.uint32
+  resumed, _ = stepped(train, restored, batches[2:])
+  assert_trees_equal(resumed, straight)
+
+
+@pytest.mark.slow
 def test_rounding_modes_keep_learning_where_plain_bfloat16_stalls():
   # sgd(1e-4), 20 steps of two micro-batches: each update is far below half a bfloat16
   # ulp of the weights, so plain bfloat16 (round to nearest, no master) never moves
