@@ -44,8 +44,8 @@ def test_stochastic_round_picks_only_the_two_neighbours():
 def test_stochastic_round_is_unbiased():
   # n draws per value; a draw's deviation from x is at most one gap, so the mean's
   # standard deviation is at most gap / (2 sqrt(n)): allow five of them.
-  x = _values(16, seed=1)
-  n = 20_000
+  x = _values(8, seed=1)
+  n = 10_000
   out = stochastic_round(jnp.broadcast_to(x, (n, x.size)), jax.random.key(2))
   mean = np.asarray(out.astype(jnp.float32), np.float64).mean(0)
   gap = np.abs(np.asarray(jnp.asarray(x).astype(BF16).astype(jnp.float32), np.float64)) * 2.0 ** -7
@@ -135,6 +135,14 @@ def test_opt_state_dtype_stores_moments_narrow_and_leaves_counts_and_scalars():
   assert inner.inner_state[0].mu["w"].dtype == BF16 and inner.inner_state[0].nu["w"].dtype == BF16
   assert inner.inner_state[0].mu["s"].dtype == jnp.float32  # a 0-d parameter's moment
   assert inner.count.dtype == jnp.int32 and inner.hyperparams["learning_rate"].dtype == jnp.float32
+
+
+@pytest.mark.slow
+def test_opt_state_dtype_updates_keep_the_stored_dtypes_and_advance_the_key():
+  tx = jaxamp.opt_state_dtype(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+                              BF16, rounding="stochastic", seed=1)
+  params = {"w": jnp.ones((4, 3)), "s": jnp.ones(())}
+  state = tx.init(params)
   grads = {"w": jnp.full((4, 3), 0.5), "s": jnp.ones(())}
   updates, new = jax.jit(tx.update)(grads, state, params)
   assert jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(lambda x: x.dtype, state)

@@ -472,6 +472,7 @@ def test_kahan_compensation_is_sharded_like_the_params_under_fsdp():
     assert c.sharding.spec == p.sharding.spec and c.dtype == p.dtype
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_refuses_float16_params():
   train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float16",
                                  master_weights="stochastic")
