@@ -94,7 +94,8 @@ def pairwise(factors):
 
 def all_rows():
   """The covering array's rows, then EXTRA_ROWS; every row has EXTRA's keys."""
-  return [{**row, **EXTRA} for row in pairwise(FACTORS)] + EXTRA_ROWS
+  return ([{**row, **EXTRA} for row in pairwise(FACTORS)]
+          + [{**EXTRA, **row} for row in EXTRA_ROWS])
 
 
 def averaged_params(decay=0.5):
