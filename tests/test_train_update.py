@@ -479,3 +479,23 @@ def test_stochastic_rounding_refuses_float16_params():
   with pytest.raises(ValueError, match=r"master_weights='stochastic' rounds parameters to "
                      r"bfloat16, but NNXNet stores .*kernel.* in float16"):
     init(train, "nnx", batchnorm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, mode", [("p=bf16,c=f16", "stochastic"),
+                                          ("p=bf16,c=bf16,fp8=delayed", "kahan")])
+def test_rounding_modes_train_under_loss_scaling_and_fp8(policy, mode):
+  # float16 compute: a dynamic loss scale; FP8: the scaled formats' state beside the
+  # rounding's. Both train with bfloat16 params and a bfloat16 optimizer state.
+  train = jaxamp.make_train_step(loss_fn, optax.adamw(1e-3), policy=policy,
+                                 master_weights=mode, opt_state_dtype=jnp.bfloat16,
+                                 memory=jaxamp.MemoryConfig(donate=False))
+  state = train.init(NNXNet(nnx.Rngs(0), batchnorm=False))
+  state, history = stepped(train, state, make_batches(2))
+  metrics = history[-1][2]
+  assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+  assert float(metrics["loss_scale"]) == (2.0 ** 15 if "c=f16" in policy else 1.0)
+  assert (state.fp8 is not None) == ("fp8" in policy)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(jnp.bfloat16)}
+  assert not any(np.array_equal(a, b) for a, b in zip(leaves(state.params),
+                                                      leaves(history[0][0].params)))
