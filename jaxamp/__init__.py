@@ -17,6 +17,8 @@ Entry points:
                  ``half_residuals(fn)``: the backward pass keeps half values and statistics
   your own step  ``optax.chain(dynamic_loss_scale(), ...)`` inside ``skip_nonfinite``, with
                  ``scale_loss`` and ``get_loss_scale``
+  8 bytes/param  bfloat16 storage without a float32 master: ``stochastic_rounding``,
+                 ``kahan_summation``, ``opt_state_dtype(tx, jnp.bfloat16)``
   per operation  ``autocast(fn, policy)``; Apex levels ``opt_level('O1')``
   FP8            the ``'mixed_fp8'`` policies; recipes in ``jaxamp.fp8``; rowwise scales
                  (``'mixed_fp8_rowwise'``) in ``jaxamp.rowwise``; OCP MX blocks
@@ -72,6 +74,16 @@ from jaxamp.policy import (
     set_global_policy,
 )
 from jaxamp.residuals import half_residuals
+from jaxamp.rounding import (
+    ApplyUpdates,
+    KahanState,
+    OptStateDtypeState,
+    StochasticRoundingState,
+    kahan_summation,
+    opt_state_dtype,
+    stochastic_round,
+    stochastic_rounding,
+)
 from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
 from jaxamp.adapters import with_policy
@@ -81,6 +93,7 @@ from jaxamp.train import (
     DebugConfig,
     MasterWeightsState,
     MemoryConfig,
+    RoundingState,
     ShardingConfig,
     TrainState,
     TrainStep,
@@ -135,6 +148,14 @@ __all__ = [
     "all_finite",
     "check_loss_scale_placement",
     "clip_by_global_norm",
+    "ApplyUpdates",
+    "KahanState",
+    "OptStateDtypeState",
+    "StochasticRoundingState",
+    "kahan_summation",
+    "opt_state_dtype",
+    "stochastic_round",
+    "stochastic_rounding",
     "dynamic_loss_scale",
     "get_loss_scale",
     "loss_scale_for",
@@ -145,6 +166,7 @@ __all__ = [
     "DebugConfig",
     "MasterWeightsState",
     "MemoryConfig",
+    "RoundingState",
     "ShardingConfig",
     "TrainState",
     "TrainStep",

@@ -41,7 +41,7 @@ FACTORS = {
 # optimizer state holding the parameters' own arrays, and a state made by a step of
 # another policy (its loss-scale and FP8 state fitted to the row's policy at the first
 # step). Not factors: the covering array, and the rows it has been checked on, stay.
-EXTRA = {"optimizer": "sgd", "resume": "none", "net": "mlp"}
+EXTRA = {"optimizer": "sgd", "resume": "none", "net": "mlp", "master": "default"}
 EXTRA_ROWS = [
     dict(model="nnx", layout="fsdp", policy="mixed_float16", accum=1, state="none",
          fault="none", residuals="half", batch="arrays",
@@ -74,6 +74,15 @@ EXTRA_ROWS = [
     dict(model="equinox", layout="replicated", policy="mixed_fp8", accum=1, state="none",
          fault="none", residuals="half", batch="arrays", optimizer="sgd", resume="none",
          net="cnn"),
+    # Issue 44: bfloat16 params without float32 master weights, the optimizer state in
+    # bfloat16 (Adam's moments, momentum), a skipped step and accumulation (stochastic),
+    # FSDP's two axes and BatchNorm (Kahan).
+    dict(model="nnx", layout="fsdp", policy="bfloat16", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", optimizer="adam",
+         resume="none", master="stochastic"),
+    dict(model="linen", layout="fsdp over two axes, prefetch", policy="bfloat16", accum=1,
+         state="batchnorm", fault="inf on one device", residuals="half", batch="arrays",
+         optimizer="momentum", resume="none", master="kahan"),
 ]
 # The one-device run every row is compared with is the matrix's "one device" layout.
 REDUCTION = {"*calls": "same", "*examples": "sum", "*total": "sum", "*peak": "max"}
@@ -300,12 +309,17 @@ def made(row, mesh):
   """The train step and first state of ``row`` (on ``mesh``, or one device)."""
   axis_name = "data" if mesh is not None else None
   sharding = layout_sharding(row["layout"], mesh)
-  tx = optax.sgd(0.1)
-  if row["optimizer"] != "sgd":
+  # Adam's first steps are lr * sign(g): a gradient near 0 that a device order flips
+  # moves a weight by 2 lr, so only the row without BatchNorm's statistics takes it.
+  tx = {"adam": optax.adam(1e-2), "momentum": optax.sgd(0.1, momentum=0.9)}.get(
+      row["optimizer"], optax.sgd(0.1))
+  if row["optimizer"] not in ("sgd", "adam", "momentum"):
     tx = optax.chain(tx, averaged_params())
+  master = ({} if row["master"] == "default"
+            else dict(master_weights=row["master"], opt_state_dtype=jnp.bfloat16))
   step = lambda policy: jaxamp.make_train_step(
-      loss_fn, tx, policy=policy, grad_accum_steps=row["accum"],
-      sharding=sharding, memory=jaxamp.MemoryConfig(half_residuals=row["residuals"] == "half"))
+      loss_fn, tx, policy=policy, grad_accum_steps=row["accum"], sharding=sharding,
+      memory=jaxamp.MemoryConfig(half_residuals=row["residuals"] == "half", **master))
   train = step(row["policy"])
   if row["net"] == "cnn":
     if row["model"] == "equinox":
@@ -385,7 +399,8 @@ def largest(a_tree, b_tree, relative=False):
 
 def compare(row, mesh, references):
   key = tuple(row[k] for k in ("model", "policy", "accum", "state", "fault", "residuals",
-                               "batch", "optimizer", "resume", "net"))
+                               "batch", "optimizer", "resume", "net",
+                               "master"))
   try:
     if key not in references:
       references[key] = run(row, None)

@@ -77,6 +77,7 @@ _STATED_OUTPUT = {
     ("guides/train_step.md", 1): ["True False"],
     ("guides/train_step.md", 2): ["2"],
     ("guides/train_step.md", 3): ["True"],
+    ("guides/memory.md", 0): ["bfloat16 bfloat16 int32"],
     ("guides/third_party.md", 0): ["1.0"],
     ("guides/checking_precision.md", 1): ["1.0"],
     ("guides/migrating.md", 0): ["params=float32,compute=bfloat16,output=float32"],

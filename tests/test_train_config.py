@@ -34,7 +34,8 @@ FSDP = jaxamp.fsdp("data", min_size=1)
     (lambda: jaxamp.MemoryConfig(donate="no"),
      r"MemoryConfig.donate must be True or False, got 'no'"),
     (lambda: jaxamp.MemoryConfig(master_weights=1),
-     r"MemoryConfig.master_weights must be True, False or None \(decided at init\), got 1"),
+     r"MemoryConfig.master_weights must be True, False, None \(decided at init\), "
+     r"'stochastic' or 'kahan', got 1"),
     (lambda: jaxamp.MemoryConfig(recompute_norms=None),
      r"MemoryConfig.recompute_norms must be True or False, got None"),
     (lambda: jaxamp.MemoryConfig(half_residuals="yes"),
@@ -83,8 +84,6 @@ OLD = [
      "pass sharding=jaxamp.ShardingConfig(model_state_reduction=...)"),
     (dict(donate=False), "memory", jaxamp.MemoryConfig(donate=False),
      "make_train_step(donate=...) is deprecated; pass memory=jaxamp.MemoryConfig(donate=...)"),
-    (dict(master_weights=True), "memory", jaxamp.MemoryConfig(master_weights=True),
-     "pass memory=jaxamp.MemoryConfig(master_weights=...)"),
     (dict(recompute_norms=True), "memory", jaxamp.MemoryConfig(recompute_norms=True),
      "pass memory=jaxamp.MemoryConfig(recompute_norms=...)"),
     (dict(half_residuals=False), "memory", jaxamp.MemoryConfig(half_residuals=False),
@@ -192,3 +191,34 @@ def test_a_former_attribute_reads_its_config_with_a_deprecation(attr, config, fi
     got = getattr(train, attr)
   assert got == value == getattr(getattr(train, config), field)
   assert caught[0].filename == __file__
+
+
+def test_master_weights_and_opt_state_dtype_keywords_are_memory_shorthands():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    train = jaxamp.make_train_step(loss_fn, TX, policy="bfloat16",
+                                   master_weights="stochastic", opt_state_dtype=jnp.bfloat16,
+                                   memory=jaxamp.MemoryConfig(donate=False))
+  assert train.memory == jaxamp.MemoryConfig(donate=False, master_weights="stochastic",
+                                             opt_state_dtype=jnp.bfloat16)
+  assert train.memory.rounding == "stochastic" and train.master_weights == "stochastic"
+  assert jaxamp.make_train_step(loss_fn, TX, master_weights=True).memory.rounding is None
+  with pytest.raises(ValueError, match=r"make_train_step got master_weights='kahan' and "
+                     r"memory= setting master_weights=True: give it once"):
+    jaxamp.make_train_step(loss_fn, TX, master_weights="kahan",
+                           memory=jaxamp.MemoryConfig(master_weights=True))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(master_weights="float32"),
+     r"master_weights must be True, False, None \(decided at init\), 'stochastic' or "
+     r"'kahan', got 'float32'"),
+    (dict(opt_state_dtype=jnp.int8),
+     r"opt_state_dtype must be a floating dtype of at most 32 bits .* got <class"),
+    (dict(master_weights="stochastic", opt_state_dtype=jnp.float16),
+     r"master_weights='stochastic' rounds the optimizer state stochastically, to "
+     r"bfloat16 only; got opt_state_dtype float16"),
+])
+def test_memory_modes_refuse_bad_values_naming_what_is_valid(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxamp.MemoryConfig(**kwargs)

@@ -356,3 +356,146 @@ def test_a_float16_parameter_that_would_overflow_skips_the_step(master_weights):
   rest = lambda s: [x for x in jax.tree.leaves(s.opt_state, is_leaf=is_ls) if not is_ls(x)]
   assert_trees_equal(rest(state), rest(before))  # master weights and moments too
   assert float(metrics["loss_scale"]) == float(jaxamp.get_loss_scale(before.opt_state))
+
+
+# --- master_weights='stochastic' | 'kahan': half params without a float32 copy ----------
+
+
+def _rounded_run(mode, batches, *, opt_state_dtype=jnp.bfloat16, lr=1e-2, **kw):
+  train = jaxamp.make_train_step(loss_fn, optax.adamw(lr), policy="bfloat16",
+                                 master_weights=mode, opt_state_dtype=opt_state_dtype,
+                                 memory=jaxamp.MemoryConfig(donate=False), **kw)
+  return train, stepped(train, init(train, "nnx", batchnorm=False), batches)
+
+
+def _poisoned(batches, at):
+  bad = dict(batches[at], x=batches[at]["x"].copy())
+  bad["x"][0, 0] = np.inf
+  return batches[:at] + [bad] + batches[at + 1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_rounding_modes_store_half_state_and_skip_exactly(mode):
+  # A skipped step keeps everything (the rounding key, the compensation, the bfloat16
+  # moments); the run then goes on as if the poisoned batch had never come.
+  batches = make_batches(3)
+  train, (state, history) = _rounded_run(mode, _poisoned(batches, 1))
+  assert train.master_weights == mode
+  opt = state.opt_state
+  assert isinstance(opt, jaxamp.RoundingState)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.params))
+  adam = optax.tree_utils.tree_get(opt, "ScaleByAdamState")
+  assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype(jnp.bfloat16)}
+  assert adam.count.dtype == jnp.int32 and int(adam.count) == 2
+  if mode == "stochastic":
+    assert opt.rounding.key.dtype == jnp.uint32
+  else:
+    assert jax.tree.map(lambda c: c.dtype, opt.rounding.compensation) == jax.tree.map(
+        lambda p: p.dtype, state.params)
+  kept = lambda s: (s.params, s.opt_state.rounding,  # all but the loss scale's skip count
+                    optax.tree_utils.tree_get(s.opt_state, "OptStateDtypeState"))
+  before, after, metrics = history[1]
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  assert_trees_equal(kept(after), kept(before))
+  _, (control, _) = _rounded_run(mode, batches[:1] + batches[2:])
+  assert_trees_equal(kept(state), kept(control))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_rounding_modes_resume_from_a_host_copy_bit_identically(mode):
+  batches = make_batches(4)
+  train, (straight, _) = _rounded_run(mode, batches)
+  _, (half, _) = _rounded_run(mode, batches[:2])
+  # What a checkpoint holds: host arrays (keys as they are: orbax saves their data).
+  host = jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                      else np.asarray(x), half)
+  resumed, _ = stepped(train, host, batches[2:])
+  assert_trees_equal(resumed, straight)
+
+
+@pytest.mark.slow
+def test_a_stochastic_rounding_state_resumes_from_orbax_bit_identically(tmp_path):
+  import orbax.checkpoint as ocp
+
+  batches = make_batches(3)
+  train, (straight, _) = _rounded_run("stochastic", batches)
+  _, (half, _) = _rounded_run("stochastic", batches[:2])
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "s", half)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "s", jaxamp.abstract_state(half))
+  assert restored.opt_state.rounding.key.dtype == jnp.uint32
+  resumed, _ = stepped(train, restored, batches[2:])
+  assert_trees_equal(resumed, straight)
+
+
+@pytest.mark.slow
+def test_rounding_modes_keep_learning_where_plain_bfloat16_stalls():
+  # sgd(1e-4), 20 steps of two micro-batches: each update is far below half a bfloat16
+  # ulp of the weights, so plain bfloat16 (round to nearest, no master) never moves
+  # them, where float32 master weights do. Kahan's compensated weights (p - c) follow
+  # the master weights closely; stochastic rounding follows them on average (the
+  # projection of its movement on theirs; one seed, so the test is deterministic).
+  batches = make_batches(20)
+
+  def moved(mode):
+    train = jaxamp.make_train_step(loss_fn, optax.sgd(1e-4), policy="bfloat16",
+                                   master_weights=mode, grad_accum_steps=2,
+                                   memory=jaxamp.MemoryConfig(donate=False))
+    state = train.init(NNXNet(nnx.Rngs(0), batchnorm=False))
+    start = state.params["l1"]["kernel"].astype(jnp.float32)
+    state, _ = stepped(train, state, batches)
+    kernel = (state.opt_state.master_params if mode is True else state.params)["l1"]["kernel"]
+    kernel = kernel.astype(jnp.float32)
+    if mode == "kahan":
+      kernel = kernel - state.opt_state.rounding.compensation["l1"]["kernel"].astype(jnp.float32)
+    return np.asarray(kernel - start)
+
+  master = moved(True)
+  assert np.abs(master).max() > 0 and np.abs(moved(False)).max() == 0  # stalled
+  kahan = moved("kahan")
+  assert np.abs(kahan - master).max() < 0.02 * np.abs(master).max()
+  projection = (moved("stochastic") * master).sum() / (master * master).sum()
+  assert 0.5 < projection < 1.5, projection
+
+
+@pytest.mark.slow
+def test_kahan_compensation_is_sharded_like_the_params_under_fsdp():
+  mesh = jax.make_mesh((1,), ("data",))
+  train, (state, _) = _rounded_run(
+      "kahan", make_batches(1), sharding=jaxamp.ShardingConfig(
+          mesh=mesh, param_sharding=jaxamp.fsdp("data", min_size=1)))
+  comp = state.opt_state.rounding.compensation
+  for c, p in zip(jax.tree.leaves(comp), jax.tree.leaves(state.params)):
+    assert c.sharding.spec == p.sharding.spec and c.dtype == p.dtype
+
+
+@pytest.mark.slow
+def test_stochastic_rounding_refuses_float16_params():
+  train = jaxamp.make_train_step(loss_fn, optax.sgd(0.1), policy="float16",
+                                 master_weights="stochastic")
+  with pytest.raises(ValueError, match=r"master_weights='stochastic' rounds parameters to "
+                     r"bfloat16, but NNXNet stores .*kernel.* in float16"):
+    init(train, "nnx", batchnorm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, mode", [("p=bf16,c=f16", "stochastic"),
+                                          ("p=bf16,c=bf16,fp8=delayed", "kahan")])
+def test_rounding_modes_train_under_loss_scaling_and_fp8(policy, mode):
+  # float16 compute: a dynamic loss scale; FP8: the scaled formats' state beside the
+  # rounding's. Both train with bfloat16 params and a bfloat16 optimizer state.
+  train = jaxamp.make_train_step(loss_fn, optax.adamw(1e-3), policy=policy,
+                                 master_weights=mode, opt_state_dtype=jnp.bfloat16,
+                                 memory=jaxamp.MemoryConfig(donate=False))
+  state = train.init(NNXNet(nnx.Rngs(0), batchnorm=False))
+  state, history = stepped(train, state, make_batches(2))
+  metrics = history[-1][2]
+  assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+  assert float(metrics["loss_scale"]) == (2.0 ** 15 if "c=f16" in policy else 1.0)
+  assert (state.fp8 is not None) == ("fp8" in policy)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(jnp.bfloat16)}
+  assert not any(np.array_equal(a, b) for a, b in zip(leaves(state.params),
+                                                      leaves(history[0][0].params)))

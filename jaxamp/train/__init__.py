@@ -31,8 +31,8 @@ sharding, memory, debugging), ``plan`` (options and what ``init`` learns), ``ini
 """
 
 from jaxamp.train.config import DebugConfig, MemoryConfig, ShardingConfig
-from jaxamp.train.state import MasterWeightsState, TrainState, abstract_state
+from jaxamp.train.state import MasterWeightsState, RoundingState, TrainState, abstract_state
 from jaxamp.train.train_step import TrainStep, make_train_step
 
 __all__ = ["DebugConfig", "MemoryConfig", "ShardingConfig", "TrainState", "MasterWeightsState",
-           "TrainStep", "make_train_step", "abstract_state"]
+           "RoundingState",            "TrainStep", "make_train_step", "abstract_state"]

@@ -31,7 +31,8 @@ STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
 sum), the maximum or minimum (a running max), or any device's (all agree: a count of
 calls)."""
 
-__all__ = ["DEPRECATED", "DebugConfig", "MemoryConfig", "STATE_REDUCTIONS", "ShardingConfig"]
+__all__ = ["DEPRECATED", "DebugConfig", "MASTER_WEIGHTS", "MemoryConfig", "STATE_REDUCTIONS",
+           "ShardingConfig"]
 
 
 def _flag(owner: str, name: str, value: Any) -> bool:
@@ -136,7 +137,18 @@ class MemoryConfig:
     master_weights: keep float32 master weights (float64 or complex for such
       parameters) in the optimizer state; default (None): on when ``init`` stores any
       parameter in a half dtype (``'float16'`` and ``'bfloat16'`` policies, or rules
-      giving some modules half params), or as the opt level says.
+      giving some modules half params), or as the opt level says. Without a float32
+      copy (:data:`MASTER_WEIGHTS`): ``'stochastic'``, each bfloat16 parameter updated
+      in float32 and rounded back stochastically (:func:`jaxamp.stochastic_rounding`,
+      a PRNG key in the optimizer state); ``'kahan'``, with a half-precision
+      compensation buffer per half parameter (:func:`jaxamp.kahan_summation`). Either
+      gives the optimizer float32 gradients and float32 copies of the params to read,
+      and makes its state for float32 params (float32 moments, unless
+      ``opt_state_dtype``).
+    opt_state_dtype: store the optimizer's floating state (moments) in this dtype
+      (:func:`jaxamp.opt_state_dtype`, around the user's optimizer, inside the loss
+      scale and the skip), rounded stochastically under ``master_weights='stochastic'``,
+      else to nearest. None (default): as the optimizer makes it.
     recompute_norms: recompute norms that compute wider than their inputs in the
       backward pass (see :func:`jaxamp.nnx.with_policy`): less activation memory, more
       time. Off by default; ``half_residuals`` already keeps a norm's half-precision
@@ -155,22 +167,62 @@ class MemoryConfig:
     >>> jaxamp.MemoryConfig(master_weights='yes')
     Traceback (most recent call last):
     ...
-    ValueError: MemoryConfig.master_weights must be True, False or None (decided at init), got 'yes'.
+    ValueError: MemoryConfig.master_weights must be True, False, None (decided at init), 'stochastic' or 'kahan', got 'yes'.
+    >>> jaxamp.MemoryConfig(master_weights='stochastic', opt_state_dtype='bfloat16').rounding
+    'stochastic'
   """
 
   donate: bool = True
-  master_weights: bool | None = None
+  master_weights: bool | str | None = None
   recompute_norms: bool = False
   half_residuals: bool = True
+  opt_state_dtype: Any = None
 
   def __post_init__(self):
-    if self.master_weights is not None:
+    if self.master_weights is not None and self.master_weights not in MASTER_WEIGHTS:
       if not isinstance(self.master_weights, (bool, np.bool_)):
-        raise ValueError(f"MemoryConfig.master_weights must be True, False or None "
-                         f"(decided at init), got {self.master_weights!r}.")
+        raise ValueError(f"MemoryConfig.master_weights must be True, False, None (decided "
+                         f"at init), 'stochastic' or 'kahan', got {self.master_weights!r}.")
       object.__setattr__(self, "master_weights", bool(self.master_weights))
+    dtype = self.opt_state_dtype
+    if dtype is not None:
+      if not is_floating_dtype(dtype) or np.dtype(dtype).itemsize > 4:
+        raise ValueError(f"MemoryConfig.opt_state_dtype must be a floating dtype of at most "
+                         f"32 bits (bfloat16, float16, float32) or None (the optimizer's "
+                         f"own), got {dtype!r}.")
+      object.__setattr__(self, "opt_state_dtype", np.dtype(dtype))
+      if self.rounding == "stochastic" and self.opt_state_dtype.name != "bfloat16":
+        raise ValueError(f"MemoryConfig: master_weights='stochastic' rounds the optimizer "
+                         f"state stochastically, to bfloat16 only; got opt_state_dtype "
+                         f"{self.opt_state_dtype.name}. Use bfloat16.")
     for name in ("donate", "recompute_norms", "half_residuals"):
       object.__setattr__(self, name, _flag("MemoryConfig", name, getattr(self, name)))
+
+  @property
+  def rounding(self) -> str | None:
+    """``'stochastic'`` or ``'kahan'`` (half params without float32 master weights), or
+    None (float32 master weights or none)."""
+    return self.master_weights if isinstance(self.master_weights, str) else None
+
+
+MASTER_WEIGHTS = ("stochastic", "kahan")
+"""The ``MemoryConfig.master_weights`` modes that keep no float32 copy of the params."""
+
+SHORTHANDS = ("master_weights", "opt_state_dtype")
+"""``make_train_step``'s keywords that set a :class:`MemoryConfig` field of that name."""
+
+
+def with_shorthands(memory: MemoryConfig, given: Mapping[str, Any]) -> MemoryConfig:
+  """``memory`` with the fields ``make_train_step`` took as keywords of their own
+  (``master_weights=``, ``opt_state_dtype=``; None: not given); one that ``memory``
+  also sets (not None) is refused."""
+  fields = {k: v for k, v in given.items() if v is not None}
+  both = [k for k in fields if getattr(memory, k) is not None]
+  if both:
+    raise ValueError(f"make_train_step got {both[0]}={fields[both[0]]!r} and memory= "
+                     f"setting {both[0]}={getattr(memory, both[0])!r}: give it once "
+                     "(either spelling).")
+  return dataclasses.replace(memory, **fields) if fields else memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +268,6 @@ DEPRECATED: Mapping[str, tuple[str, type, str]] = {
     "grad_reduce_dtype": ("sharding", ShardingConfig, "grad_reduce_dtype"),
     "model_state_reduction": ("sharding", ShardingConfig, "model_state_reduction"),
     "donate": ("memory", MemoryConfig, "donate"),
-    "master_weights": ("memory", MemoryConfig, "master_weights"),
     "recompute_norms": ("memory", MemoryConfig, "recompute_norms"),
     "half_residuals": ("memory", MemoryConfig, "half_residuals"),
     "debug_nonfinite": ("debug", DebugConfig, "nonfinite_grads"),

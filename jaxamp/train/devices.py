@@ -80,7 +80,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                    rng: jax.Array) -> Grads:
   axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
-  out_dtypes = [at_least_float32(p.dtype) if plan.master_weights else p.dtype
+  out_dtypes = [at_least_float32(p.dtype) if plan.widens else p.dtype
                 for p in jax.tree.leaves(state.params)]
 
   def local(params, model_state, batch, rng, scale, scaled):
@@ -89,7 +89,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
       # The slices go in; each read gathers its parameter and each gradient leaves its
       # read reduce-scattered (gather.gathered). Slices of half params are widened
       # first, so their gradients come back float32, as the whole-model path's do.
-      inputs = widen_floating(params) if plan.master_weights else params
+      inputs = widen_floating(params) if plan.widens else params
     else:
       inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
     changed: set[int] = set()

@@ -177,10 +177,10 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
 
   (acc, model_state, scaled), (losses, auxes) = jax.lax.scan(
       body, (acc0, model_state, scaled), (split, jnp.arange(k)))
-  # Accumulated in float32 (or wider). Master weights take them so; otherwise they go on in each
-  # parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
+  # Accumulated in float32 (or wider). Master weights (and the rounding modes) take them
+  # so; otherwise they go on in each parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
-  grads = jax.tree.map(lambda a, p: a if plan.master_weights or keep_float32
+  grads = jax.tree.map(lambda a, p: a if plan.widens or keep_float32
                        else a.astype(p.dtype), acc, params)
   return Grads(grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state,
                scaled)

@@ -20,6 +20,7 @@ from jaxamp import _flax_compat
 from jaxamp import adapters
 from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
+from jaxamp import rounding as rounding_lib
 from jaxamp import rules as rules_lib
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array, overflowed_casts, widen_floating
@@ -28,7 +29,7 @@ from jaxamp.gather import Shard
 from jaxamp.rules import cast_module_params, leaf_name, path_name, warn_unmatched_path_rules
 from jaxamp.train import optimizer as optimizer_lib
 from jaxamp.train.plan import Options, Plan, level_rules
-from jaxamp.train.state import MasterWeightsState, TrainState, check_trainable
+from jaxamp.train.state import MasterWeightsState, RoundingState, TrainState, check_trainable
 
 __all__ = ["init", "donatable", "arrays_held"]
 
@@ -149,6 +150,21 @@ def _fp8_census(options: Options, library: Library, model: Any, variables: Any,
                               options.policy)
 
 
+def _param_apply(options: Options, params: Any, model: str) -> rounding_lib.ApplyUpdates:
+  """The apply step of ``MemoryConfig.master_weights='stochastic'`` or ``'kahan'``;
+  refuses stochastic rounding of float16 parameters (it rounds to bfloat16)."""
+  if options.memory.rounding == "kahan":
+    return rounding_lib.kahan_summation()
+  half = [path_name(path) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+          if x.dtype == jnp.float16]
+  if half:
+    raise ValueError(
+        f"master_weights='stochastic' rounds parameters to bfloat16, but {model} stores "
+        f"{', '.join(half[:4])} in float16. Use a policy with bfloat16 params ('bfloat16'), "
+        "master_weights='kahan' (any half dtype) or True (float32 master weights).")
+  return rounding_lib.stochastic_rounding(options.seed)
+
+
 def _computes_in_half(options: Options, rows: list[Any] | None) -> bool:
   """Whether some module computes narrower than float32 (the model-level policy where
   the modules are not known), or the opt level autocasts."""
@@ -196,17 +212,23 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                             sharding.reduce_dtype(x.dtype))
                    for s, x in zip(spec_leaves, jax.tree.leaves(params)))
     layer_gather = _gathers_per_layer(options, library, model)
-  master_weights = options.memory.master_weights
-  if master_weights is None:
+  master_weights, rounding = options.memory.master_weights, options.memory.rounding
+  param_apply = _param_apply(options, params, name) if rounding is not None else None
+  if rounding is not None:
+    master_weights = False
+  elif master_weights is None:
     master_weights = any(is_floating_array(x) and x.dtype.itemsize < 4
                          for x in jax.tree.leaves(params))
   built = optimizer_lib.build(options, params)
   # Master weights of float32 (float64, complex) parameters are the parameters
-  # themselves here: donatable gives the state its own buffers.
-  opt_params = widen_floating(params) if master_weights else params
+  # themselves here: donatable gives the state its own buffers. Without master weights
+  # (rounding) the optimizer still reads float32 params: its state is made for them.
+  opt_params = widen_floating(params) if master_weights or param_apply else params
   opt_state = built.optimizer.init(opt_params)
   if master_weights:
     opt_state = MasterWeightsState(opt_params, opt_state)
+  elif param_apply is not None:
+    opt_state = RoundingState(param_apply.init(params), opt_state)
   # The scaled formats' state (FP8 amax histories and scales): its own field, out of the
   # optimizer's reach.
   scaled_state = fp8_lib.init_state(split.fp8_rows) if split.fp8_rows is not None else {}
@@ -219,7 +241,8 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                      rng=jax.random.key(options.seed) if split.adapter.uses_rng else None,
                      scaled=scaled_state or None)
   plan = Plan(options=options, adapter=split.adapter, optimizer=built.optimizer,
-              master_weights=bool(master_weights), recompute_norms=recompute,
+              master_weights=bool(master_weights), rounding=rounding,
+              param_apply=param_apply, recompute_norms=recompute,
               half_residuals=options.memory.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
               scaled_recipes=(fp8_lib.recipes_of(split.fp8_rows)

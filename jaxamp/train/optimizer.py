@@ -2,7 +2,8 @@
 
 A loss-scale element the user put in the chain is used where it is (and refused where
 it cannot work: after clipping, inside ``masked``...); without one, the policy's (or the
-opt level's) is put first. The whole chain is wrapped in ``skip_nonfinite``.
+opt level's) is put first. The whole chain is wrapped in ``skip_nonfinite``; with ``MemoryConfig.opt_state_dtype`` the
+user's optimizer is wrapped in :func:`jaxamp.opt_state_dtype` first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 
 from jaxamp import loss_scale as _ls
+from jaxamp import rounding as rounding_lib
 from jaxamp.train.plan import Options
 from jaxamp.train.update import float16_leaves
 
@@ -39,6 +41,13 @@ def build(options: Options, params: Any) -> Built:
   # refused, with what to write instead.
   _ls.check_loss_scale_placement(shapes)
   tx = options.optimizer
+  memory = options.memory
+  if memory.opt_state_dtype is not None:
+    # Inside the loss scale and the skip: a skipped step keeps the stored moments and
+    # the rounding key; the loss scale's state is not narrowed.
+    tx = rounding_lib.opt_state_dtype(
+        tx, memory.opt_state_dtype, seed=options.seed + 1,
+        rounding="stochastic" if memory.rounding == "stochastic" else "nearest")
   unit_scale = False
   if not optax.tree_utils.tree_get_all_with_path(shapes, "LossScaleState"):
     scale = (options.level.make_loss_scale() if options.level is not None

@@ -135,6 +135,9 @@ class Plan:
     adapter: how the model is bound to its state and called (``adapters``).
     optimizer: the user's optimizer with a loss-scale element and the exact skip.
     master_weights: whether the optimizer updates float32 master weights.
+    rounding: ``'stochastic'`` or ``'kahan'``: half params updated in float32 and stored
+      back by ``param_apply`` (:mod:`jaxamp.rounding`), no master weights; else None.
+    param_apply: with ``rounding``, its :class:`jaxamp.ApplyUpdates`.
     recompute_norms: whether norms are recomputed in the backward pass.
     half_residuals: whether the loss is differentiated under
       :func:`jaxamp.half_residuals` (asked for, and some module computes in half).
@@ -164,6 +167,8 @@ class Plan:
   adapter: Adapter
   optimizer: optax.GradientTransformation
   master_weights: bool
+  rounding: str | None = None
+  param_apply: Any = None
   recompute_norms: bool = False
   half_residuals: bool = False
   unit_scale: bool = False
@@ -177,6 +182,17 @@ class Plan:
   narrow_reads: bool = True
   rules: Mapping[Any, Any] | None = None
   state_reductions: tuple[tuple[str, str | None], ...] | None = None
+
+  @property
+  def master_mode(self) -> bool | str:
+    """``rounding`` where set, else ``master_weights``."""
+    return self.rounding or self.master_weights
+
+  @property
+  def widens(self) -> bool:
+    """Whether the optimizer receives float32 gradients and params (master weights, or
+    a ``rounding`` mode)."""
+    return self.master_weights or self.rounding is not None
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:

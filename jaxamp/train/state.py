@@ -11,7 +11,7 @@ import numpy as np
 from jaxamp import adapters
 from jaxamp.rules import path_name
 
-__all__ = ["TrainState", "MasterWeightsState", "abstract_state"]
+__all__ = ["TrainState", "MasterWeightsState", "RoundingState", "abstract_state"]
 
 
 class _TrainStateFields(NamedTuple):
@@ -86,6 +86,23 @@ class MasterWeightsState(NamedTuple):
   """
 
   master_params: Any
+  inner_state: Any
+
+
+class RoundingState(NamedTuple):
+  """Optimizer state of ``master_weights='stochastic'`` or ``'kahan'``: half-precision
+  params updated in float32 and stored back without a float32 copy.
+
+  Attributes:
+    rounding: the apply step's state: a :class:`jaxamp.StochasticRoundingState` (the
+      PRNG key of the next rounding) or a :class:`jaxamp.KahanState` (a compensation
+      buffer per half-precision parameter, laid out like the params under FSDP). A
+      skipped step keeps it bit for bit.
+    inner_state: the wrapped optimizer's state (made for float32 copies of the params:
+      float32 moments unless ``opt_state_dtype`` narrows them).
+  """
+
+  rounding: Any
   inner_state: Any
 
 

@@ -40,7 +40,7 @@ class TrainStep(OptionsView):
       ``memory``, ``debug``... read through to it: ``train.sharding.mesh``); plan: what
       :meth:`init` learnt from the model (None before).
     master_weights: whether the optimizer updates master weights (float32; float64 or
-      complex for such parameters); when
+      complex for such parameters), or ``'stochastic'`` / ``'kahan'``; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
     trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
     param_specs: with ``ShardingConfig.param_sharding``, the ``PartitionSpec`` of each parameter (a tree
@@ -67,8 +67,8 @@ class TrainStep(OptionsView):
     return self._programs.plan if self._programs else None
 
   @property
-  def master_weights(self) -> bool | None:
-    return self.plan.master_weights if self.plan else self.options.memory.master_weights
+  def master_weights(self) -> bool | str | None:
+    return self.plan.master_mode if self.plan else self.options.memory.master_weights
 
   @property
   def recompute_norms(self) -> bool:
@@ -349,6 +349,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     sharding: ShardingConfig | None = None,
                     memory: MemoryConfig | None = None,
                     debug: DebugConfig | None = None,
+                    master_weights: bool | str | None = None, opt_state_dtype: Any = None,
                     **deprecated: Any) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -423,9 +424,13 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       weights, recomputed norms, half-precision residuals. None: its defaults.
     debug: a :class:`jaxamp.DebugConfig`: ``metrics['nonfinite_grads']``, the
       skipped-steps warning. None: its defaults.
+    master_weights, opt_state_dtype: shorthands for the :class:`jaxamp.MemoryConfig`
+      fields of those names (``policy='bfloat16', master_weights='stochastic',
+      opt_state_dtype=jnp.bfloat16``: 8 bytes per parameter with Adam); one that
+      ``memory=`` also sets is refused.
     **deprecated: this release only, the former keywords of the configs' fields
       (``mesh=``, ``batch_axis=``, ``param_sharding=``, ``grad_reduce_dtype=``,
-      ``model_state_reduction=``, ``donate=``, ``master_weights=``,
+      ``model_state_reduction=``, ``donate=``,
       ``recompute_norms=``, ``half_residuals=``, ``debug_nonfinite=`` (now
       ``DebugConfig.nonfinite_grads``), ``warn_skipped_steps=``): each still works, with
       a ``DeprecationWarning`` naming the new spelling; one given with the config that
@@ -437,6 +442,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
   """
   configs = config_lib.from_keywords(
       deprecated, {"sharding": sharding, "memory": memory, "debug": debug}, stacklevel=2)
+  configs["memory"] = config_lib.with_shorthands(
+      configs["memory"], {"master_weights": master_weights, "opt_state_dtype": opt_state_dtype})
   level = None
   if opt_level is not None:
     from jaxamp.opt_levels import opt_level as get_level  # pylint: disable=g-import-not-at-top

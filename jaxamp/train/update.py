@@ -7,7 +7,9 @@ only on a finite step; on a skipped one only the loss scale moves (it backs off)
 the parameters, every optimizer-state leaf and the model state stay bit-identical, and
 the scaled formats' state is what each format keeps on a skip (FP8: its old state, bit
 for bit). With master weights the optimizer updates float32 copies and the stored
-params are their casts. A float16 parameter an update would make inf skips the step too.
+params are their casts; with ``master_weights='stochastic'`` or ``'kahan'`` it reads
+float32 copies and the update is added in float32 and stored back by
+:mod:`jaxamp.rounding`'s apply step. A float16 parameter an update would make inf skips the step too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxamp import scaled as scaled_lib
 from jaxamp import skip as skip_lib
 from jaxamp.casting import NarrowCotangents, is_floating_array, widen_floating
 from jaxamp.train.plan import Plan
-from jaxamp.train.state import MasterWeightsState, TrainState
+from jaxamp.train.state import MasterWeightsState, RoundingState, TrainState
 
 __all__ = ["Applied", "apply_or_skip", "float16_leaves"]
 
@@ -54,9 +56,9 @@ def apply_or_skip(plan: Plan, state: TrainState, grads: Any, loss: jax.Array,
   kept = lambda old, new: scaled_lib.kept_on_skip(old, new, plan.scaled_recipes)
 
   def received(grads: Any) -> Any:
-    # What the optimizer receives (unscaled): float32 (or wider) for master weights,
-    # else each parameter's dtype.
-    return widen_floating(grads) if plan.master_weights else grads
+    # What the optimizer receives (unscaled): float32 (or wider) for master weights and
+    # the rounding modes, else each parameter's dtype.
+    return widen_floating(grads) if plan.widens else grads
 
   opt_grads, grad_norm, grads_finite = skip_lib.unscaled_norm_and_finite(received(grads), unit)
   # The cond holds each gradient as narrow as it was computed and widens (and unscales)
@@ -129,6 +131,15 @@ def _update(plan: Plan, state: TrainState, grads: Any, loss: jax.Array, *, finit
   # Unscaled already, by apply_or_skip.
   flag = skip_lib.Verdict(finite=finite, unscaled=True, norm=known_norm).extra_args()
   flag["value"] = loss
+  if plan.param_apply is not None:
+    # No master weights: the optimizer reads float32 copies, and the update is added
+    # in float32 and stored back by the rounding (its key or compensation kept on a skip).
+    rounding, inner = state.opt_state
+    updates, inner = plan.optimizer.update(grads, inner, widen_floating(state.params), **flag)
+    params = state.params
+    if finite:
+      params, rounding = plan.param_apply.apply(state.params, updates, rounding)
+    return RoundingState(rounding, inner), params
   if plan.master_weights:
     master, inner = state.opt_state
     updates, inner = plan.optimizer.update(grads, inner, master, **flag)
