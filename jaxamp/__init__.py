@@ -65,6 +65,7 @@ from jaxamp.policy import (
     policy_scope,
     set_global_policy,
 )
+from jaxamp.numerics import Numerics
 from jaxamp.residuals import half_residuals
 from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
@@ -96,6 +97,7 @@ from jaxamp import fp8, linen, nnx, rowwise, scaled
 __version__ = "0.1.0"
 
 __all__ = [
+    "Numerics",
     "fp8",
     "scaled",
     "RowwiseScaling",

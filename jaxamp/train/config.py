@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import at_least_float32, is_floating_dtype, real_or_complex
+from jaxamp.numerics import Numerics
 
 STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
 """How a model-state leaf updated on each device is combined under a mesh: averaged
@@ -186,6 +187,10 @@ class DebugConfig:
       two counters per that many calls, from results at least that old, so it never
       waits on the step it just dispatched; the warning comes up to three windows after
       the streak began. None: never warn.
+    numerics: a :class:`jaxamp.Numerics`: record every N-th step, per module, how close
+      activations, cotangents and gradients come to their format's range, in
+      ``metrics['numerics']`` (``make_train_step(numerics=...)`` sets it). None: off, and
+      the step's program is the one without it.
 
   Example:
     >>> import jaxamp
@@ -199,6 +204,7 @@ class DebugConfig:
 
   nonfinite_grads: bool = False
   warn_skipped_steps: int | None = 100
+  numerics: Numerics | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "nonfinite_grads",
@@ -207,6 +213,9 @@ class DebugConfig:
     if warn is not None and (isinstance(warn, bool) or not isinstance(warn, int) or warn < 1):
       raise ValueError(f"DebugConfig.warn_skipped_steps must be a positive int (steps) or "
                        f"None (never warn), got {warn!r}.")
+    if self.numerics is not None and not isinstance(self.numerics, Numerics):
+      raise ValueError(f"DebugConfig.numerics must be a jaxamp.Numerics (e.g. "
+                       f"jaxamp.Numerics(every=100)) or None, got {self.numerics!r}.")
 
 
 DEPRECATED: Mapping[str, tuple[str, type, str]] = {
@@ -224,6 +233,17 @@ DEPRECATED: Mapping[str, tuple[str, type, str]] = {
 }
 """``make_train_step``'s former keywords: ``{old keyword: (its config's keyword, the
 config, the field)}``."""
+
+
+def with_numerics(debug: DebugConfig | None, numerics: Numerics | None) -> DebugConfig | None:
+  """``debug`` with ``make_train_step(numerics=...)`` in it; given in both, refused."""
+  if numerics is None:
+    return debug
+  debug = DebugConfig() if debug is None else debug
+  if debug.numerics is not None:
+    raise ValueError(f"make_train_step got both numerics={numerics!r} and "
+                     f"debug=DebugConfig(numerics={debug.numerics!r}): pass one.")
+  return dataclasses.replace(debug, numerics=numerics)
 
 
 def from_keywords(old: Mapping[str, Any], configs: Mapping[str, Any],

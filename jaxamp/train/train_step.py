@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import policy as policy_lib
+from jaxamp.numerics import Numerics
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import config as config_lib
 from jaxamp.train import init as init_lib
@@ -349,6 +350,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     sharding: ShardingConfig | None = None,
                     memory: MemoryConfig | None = None,
                     debug: DebugConfig | None = None,
+                    numerics: Numerics | None = None,
                     **deprecated: Any) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -422,7 +424,10 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     memory: a :class:`jaxamp.MemoryConfig`: donation of the input state, master
       weights, recomputed norms, half-precision residuals. None: its defaults.
     debug: a :class:`jaxamp.DebugConfig`: ``metrics['nonfinite_grads']``, the
-      skipped-steps warning. None: its defaults.
+      skipped-steps warning, the numerics monitor. None: its defaults.
+    numerics: a :class:`jaxamp.Numerics`: every N-th step, per module, how close values
+      come to their format's range, in ``metrics['numerics']`` (the same as
+      ``debug=DebugConfig(numerics=...)``; see :mod:`jaxamp.numerics`).
     **deprecated: this release only, the former keywords of the configs' fields
       (``mesh=``, ``batch_axis=``, ``param_sharding=``, ``grad_reduce_dtype=``,
       ``model_state_reduction=``, ``donate=``, ``master_weights=``,
@@ -435,6 +440,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     A :class:`TrainStep` with ``init``, ``step``, ``eval_step`` and ``model``; after
     ``init``, ``step_fn`` is the step as a pure function for your own ``jax.jit``.
   """
+  debug = config_lib.with_numerics(debug, numerics)
   configs = config_lib.from_keywords(
       deprecated, {"sharding": sharding, "memory": memory, "debug": debug}, stacklevel=2)
   level = None
