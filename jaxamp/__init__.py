@@ -66,6 +66,7 @@ from jaxamp.policy import (
     set_global_policy,
 )
 from jaxamp.numerics import Numerics
+from jaxamp.numerics_log import NumericsLog, PolicySuggestion, suggest_policy
 from jaxamp.residuals import half_residuals
 from jaxamp.sharding import annotated, fsdp
 from jaxamp.report import MatmulOp, PrecisionReport, precision_report
@@ -98,6 +99,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Numerics",
+    "NumericsLog",
+    "PolicySuggestion",
+    "suggest_policy",
     "fp8",
     "scaled",
     "RowwiseScaling",

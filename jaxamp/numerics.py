@@ -51,13 +51,18 @@ _FORMATS = (("float16", "float16", False), ("bfloat16", "bfloat16", False),
 # micro-batches and devices reduce to the figures of the whole batch.
 _RAW = ("amax", "count", "nonzero", "nonfinite", "under", "over",
         "under_float16", "over_float16", "under_bfloat16", "over_bfloat16",
-        "under_e4m3", "under_e5m2")
+        "under_e4m3", "under_e5m2", "under_float16_ls")
 SIZE = len(_RAW)
 
 # What metrics['numerics'][path][kind] holds.
 STATS = ("amax", "count", "nonfinite", "underflow", "overflow",
          "underflow_float16", "overflow_float16", "underflow_bfloat16", "overflow_bfloat16",
-         "underflow_e4m3", "underflow_e5m2")
+         "underflow_e4m3", "underflow_e5m2", "underflow_float16_ls")
+
+# The loss scale the ``underflow_float16_ls`` column assumes: a value below float16's
+# smallest normal even times this (dynamic loss scaling's usual level) underflows in a
+# float16 run of a model logged without loss scaling.
+LOSS_SCALE = 2.0 ** 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,18 +98,22 @@ def _finfo(name: str) -> Any:
   return jnp.finfo(jnp.dtype(name))
 
 
-def tensor_stats(x: jax.Array, dtype: Any) -> jax.Array:
+def tensor_stats(x: jax.Array, dtype: Any, axes: Any = None) -> jax.Array:
   """The raw record of ``x`` (float32, ``SIZE`` entries) against ``dtype``'s range:
   amax of the finite values, the counts of values, of nonzero finite ones, of
   non-finite ones, of nonzero finite ones below ``dtype``'s smallest normal and of
   values at or above its largest finite one (infinities included), and the same
-  against float16 and bfloat16, and for E4M3 / E5M2 the nonzero values under the
-  smallest normal once ``x`` is scaled so that its amax is the format's largest."""
+  against float16 and bfloat16, for E4M3 / E5M2 the nonzero values under the
+  smallest normal once ``x`` is scaled so that its amax is the format's largest, and
+  the nonzero values under float16's smallest normal even times :data:`LOSS_SCALE`.
+  ``axes``: inside ``shard_map``, the mesh axes ``x`` is split over: the FP8 scale is
+  then the global amax's, as the FP8 formats' is."""
   wide = jnp.promote_types(x.dtype, jnp.float32)
   a = jnp.abs(x.astype(wide))
   finite = jnp.isfinite(a)
   nonzero = finite & (a > 0)
   amax = jnp.max(jnp.where(finite, a, 0), initial=0)
+  scale_amax = amax if axes is None else jax.lax.pmax(amax, axes)
 
   def count(mask):
     return jnp.sum(mask, dtype=jnp.float32)
@@ -121,9 +130,10 @@ def tensor_stats(x: jax.Array, dtype: Any) -> jax.Array:
   for _, name, scaled in _FORMATS:
     f = _finfo(name)
     if scaled:  # |x| * max / amax < tiny
-      out.append(under(amax * (float(f.tiny) / float(f.max))))
+      out.append(under(scale_amax * (float(f.tiny) / float(f.max))))
     else:
       out += [under(f.tiny), over(f.max)]
+  out.append(under(float(_finfo("float16").tiny) / LOSS_SCALE))
   return jnp.stack(out)
 
 
@@ -132,11 +142,11 @@ def nan_stats() -> jax.Array:
   return jnp.full((SIZE,), jnp.nan, jnp.float32)
 
 
-def _gated(record: Any, x: jax.Array, dtype: Any) -> jax.Array:
+def _gated(record: Any, x: jax.Array, dtype: Any, axes: Any = None) -> jax.Array:
   """:func:`tensor_stats` on a recording step; NaN, computing nothing, on the others."""
   if isinstance(record, bool):
-    return tensor_stats(x, dtype) if record else nan_stats()
-  return jax.lax.cond(record, lambda v: tensor_stats(v, dtype), lambda v: nan_stats(), x)
+    return tensor_stats(x, dtype, axes) if record else nan_stats()
+  return jax.lax.cond(record, lambda v: tensor_stats(v, dtype, axes), lambda v: nan_stats(), x)
 
 
 def combine(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -168,6 +178,7 @@ def summarize(raw: jax.Array) -> dict[str, jax.Array]:
     out[f"underflow_{suffix}"] = frac(r[f"under_{suffix}"], r["nonzero"])
     if not scaled:
       out[f"overflow_{suffix}"] = frac(r[f"over_{suffix}"], r["count"])
+  out["underflow_float16_ls"] = frac(r["under_float16_ls"], r["nonzero"])
   return {k: out[k] for k in STATS}
 
 
@@ -183,9 +194,10 @@ class _Scope:
   the keys (``keys``).
   """
 
-  def __init__(self, record: Any, probes: Mapping[Any, Any] | None):
+  def __init__(self, record: Any, probes: Mapping[Any, Any] | None, axes: Any = None):
     self.record = record
     self.probes = probes
+    self.axes = axes
     self.trace = jax_core.get_opaque_trace_state(convention="jaxamp")
     self.names: dict[int, str] = {}
     self.calls: dict[str, int] = {}
@@ -209,9 +221,11 @@ def current() -> _Scope | None:
 
 
 @contextlib.contextmanager
-def scope(record: Any, probes: Mapping[Any, Any] | None) -> Iterator[_Scope]:
-  """Records what the module calls in this block observe (see :class:`_Scope`)."""
-  s = _Scope(record, probes)
+def scope(record: Any, probes: Mapping[Any, Any] | None, axes: Any = None
+          ) -> Iterator[_Scope]:
+  """Records what the module calls in this block observe (see :class:`_Scope`);
+  ``axes``: inside ``shard_map``, the batch axes."""
+  s = _Scope(record, probes, axes)
   _local.scopes.append(s)
   try:
     yield s
@@ -279,43 +293,48 @@ def observe(path: str | Callable[[], str | None] | None, compute: Any, out: Any,
     key = (path, call, i)
     if key in s.probes["activation"]:
       leaves[i] = _tap(leaves[i], s.probes["activation"][key], s.probes["cotangent"][key],
-                       s.record, dtype)
+                       s.record, dtype, s.axes)
   return jax.tree.unflatten(treedef, leaves)
 
 
-@jax.custom_batching.custom_vmap
-def _batch_stats(record: jax.Array, x: jax.Array, dtype_tag: jax.Array) -> jax.Array:
-  """:func:`_gated` of ``x`` against the dtype of ``dtype_tag``; under ``jax.vmap`` of the
-  whole batch at once (the record is not batched)."""
-  return _gated(record, x, dtype_tag.dtype)
+@functools.cache
+def _batch_stats(axes: Any) -> Callable[..., jax.Array]:
+  """:func:`_gated` of ``x`` against the dtype of ``dtype_tag``, under ``jax.vmap`` of
+  the whole batch at once (the record is not batched)."""
+
+  @jax.custom_batching.custom_vmap
+  def stats(record, x, dtype_tag):
+    return _gated(record, x, dtype_tag.dtype, axes)
+
+  @stats.def_vmap
+  def _(axis_size, in_batched, record, x, dtype_tag):
+    del axis_size, in_batched  # x holds the whole batch: one record of it
+    return stats(record, x, dtype_tag), False
+
+  return stats
 
 
-@_batch_stats.def_vmap
-def _batch_stats_vmap(axis_size, in_batched, record, x, dtype_tag):
-  del axis_size, in_batched  # x holds the whole batch: one record of it
-  return _batch_stats(record, x, dtype_tag), False
+def _stats(record: Any, x: jax.Array, dtype: Any, axes: Any) -> jax.Array:
+  return _batch_stats(axes)(record, x, jnp.zeros((), dtype))
 
 
-def _stats(record: Any, x: jax.Array, dtype: Any) -> jax.Array:
-  return _batch_stats(record, x, jnp.zeros((), dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _tap(x: jax.Array, act: jax.Array, cot: jax.Array, record: Any, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tap(x: jax.Array, act: jax.Array, cot: jax.Array, record: Any, dtype: Any,
+         axes: Any) -> jax.Array:
   """``x``; the backward pass hands ``x``'s record out as ``act``'s cotangent, the
   record of ``x``'s cotangent as ``cot``'s."""
-  del act, cot, record, dtype
+  del act, cot, record, dtype, axes
   return x
 
 
-def _tap_fwd(x, act, cot, record, dtype):
+def _tap_fwd(x, act, cot, record, dtype, axes):
   del act, cot
-  return x, (record, _stats(record, x, dtype))
+  return x, (record, _stats(record, x, dtype, axes))
 
 
-def _tap_bwd(dtype, res, g):
+def _tap_bwd(dtype, axes, res, g):
   record, seen = res
-  return g, seen, _stats(record, g, dtype), None
+  return g, seen, _stats(record, g, dtype, axes), None
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)

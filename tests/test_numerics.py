@@ -12,7 +12,7 @@ import pytest
 
 import jaxamp
 from jaxamp import numerics
-from tests.train_helpers import run_script
+from tests.train_helpers import ROOT, run_script
 
 STATS = numerics.STATS
 
@@ -34,7 +34,8 @@ def reference(xs, dtype):
     amax = max(amax, top)
     n, nonzero, nonfinite = n + a.size, nonzero + nz.sum(), nonfinite + (~finite).sum()
     tiny = {"": info.tiny, "_float16": f16.tiny, "_bfloat16": bf16.tiny,
-            **{"_" + s: top * float(f.tiny) / float(f.max) for s, f in fp8.items()}}
+            **{"_" + s: top * float(f.tiny) / float(f.max) for s, f in fp8.items()},
+            "_float16_ls": float(f16.tiny) / 2.0 ** 15}
     big = {"": info.max, "_float16": f16.max, "_bfloat16": bf16.max}
     for k, t in tiny.items():
       under[k] = under.get(k, 0) + np.sum(nz & (a < float(t)))
@@ -264,5 +265,5 @@ MESH_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_mesh_gives_global_figures(tmp_path):
   out = run_script(MESH_SCRIPT, tmp_path, "mesh_numerics.py",
-                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT})
   assert "ok" in out
