@@ -88,15 +88,17 @@ class NumericsLog:
               held[stat] = max(held.get(stat, -math.inf), value)
     return out
 
-  def risk(self) -> list[tuple[str, float, str]]:
+  def risk(self, against: str | None = None) -> list[tuple[str, float, str]]:
     """``(module, score, what)``, riskiest first: the score is the worst overflow plus
-    underflow fraction (in the compute dtype) over its kinds, and 1 more with non-finite
-    values; ``what`` names the kind and figure behind it."""
+    underflow fraction over its kinds (in the compute dtype, or ``against``:
+    ``'float16'`` or ``'bfloat16'``, the what-if), and 1 more with non-finite values;
+    ``what`` names the kind and figure behind it."""
+    suffix = _suffix(against)
     rows = []
     for path, kinds in self.worst().items():
       best = (0.0, "")
       for kind, s in kinds.items():
-        for stat in ("overflow", "underflow"):
+        for stat in ("overflow" + suffix, "underflow" + suffix):
           score = s.get(stat, 0.0) + (1.0 if s.get("nonfinite", 0.0) > 0 else 0.0)
           if score > best[0]:
             best = (score, f"{kind} {stat} {s.get(stat, 0.0):.2%}"
@@ -104,19 +106,22 @@ class NumericsLog:
       rows.append((path, best[0], best[1]))
     return sorted(rows, key=lambda r: -r[1])
 
-  def table(self, top: int = 20) -> str:
+  def table(self, top: int = 20, against: str | None = None) -> str:
     """The ``top`` riskiest modules as text: per kind its worst amax, underflow and
-    overflow fractions (compute dtype) and non-finite count."""
+    overflow fractions (in the compute dtype, or ``against``: ``'float16'``,
+    ``'bfloat16'``) and non-finite count."""
+    suffix = _suffix(against)
     worst = self.worst()
     lines = [f"{'module':<28} {'kind':<10} {'amax':>10} {'underflow':>10} {'overflow':>9} "
              f"{'nonfinite':>9}"]
-    for path, _, _ in self.risk()[:top]:
+    for path, _, _ in self.risk(against)[:top]:
       for kind in _KINDS:
         s = worst[path].get(kind)
         if s is None:
           continue
         lines.append(f"{path or '(model)':<28} {kind:<10} {s.get('amax', math.nan):>10.3g} "
-                     f"{s.get('underflow', 0.0):>10.2%} {s.get('overflow', 0.0):>9.2%} "
+                     f"{s.get('underflow' + suffix, 0.0):>10.2%} "
+                     f"{s.get('overflow' + suffix, 0.0):>9.2%} "
                      f"{s.get('nonfinite', 0.0):>9.0f}")
     return "\n".join(lines)
 
@@ -176,6 +181,15 @@ class NumericsLog:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _suffix(against: str | None) -> str:
+  if against is None:
+    return ""
+  if against not in ("float16", "bfloat16"):
+    raise ValueError(f"against must be None (the compute dtype), 'float16' or 'bfloat16', "
+                     f"got {against!r}.")
+  return "_" + against
 
 
 class PolicySuggestion(NamedTuple):

@@ -51,19 +51,20 @@ def assert_stats(got, x, dtype, what):
   want = reference(x if isinstance(x, list) else [x], dtype)
   assert set(got) == set(STATS)
   for k in STATS:
-    np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-6, err_msg=f"{what}: {k}")
+    # float32 sums in another order: amax within rounding; counts exact.
+    np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-5, err_msg=f"{what}: {k}")
 
 
-def spread(key, shape, lo=-10, hi=6):
-  """Values whose magnitudes span 10**lo .. 10**hi (under float16's smallest normal,
-  over its largest), signs mixed, some exact zeros."""
-  k1, k2, k3 = jax.random.split(key, 3)
-  mag = 10.0 ** jax.random.uniform(k1, shape, minval=lo, maxval=hi)
-  sign = jnp.where(jax.random.bernoulli(k2, 0.5, shape), 1.0, -1.0)
-  return jnp.where(jax.random.bernoulli(k3, 0.1, shape), 0.0, mag * sign)
+def spread(seed, shape, lo=-10, hi=6):
+  """float32 values whose magnitudes span 10**lo .. 10**hi (under float16's smallest
+  normal, over its largest), signs mixed, some exact zeros (NumPy: no JAX op to compile)."""
+  r = np.random.RandomState(seed)
+  mag = 10.0 ** r.uniform(lo, hi, shape)
+  sign = np.where(r.rand(*shape) < 0.5, 1.0, -1.0)
+  return np.where(r.rand(*shape) < 0.1, 0.0, mag * sign).astype(np.float32)
 
 
-X = spread(jax.random.key(0), (8, 4), -4, 2)
+X = spread(0, (8, 4), -4, 2)
 
 
 def loss(model, x):
@@ -71,22 +72,23 @@ def loss(model, x):
 
 
 def forward(pa, pb, x):
-  """The model's two Dense layers and the ReLU between them."""
+  """The model's two Dense layers and the ReLU between them, in NumPy (float32)."""
   h = x @ pa["kernel"] + pa["bias"]
-  return h, jax.nn.relu(h) @ pb["kernel"] + pb["bias"]
+  return h, np.maximum(h, 0) @ pb["kernel"] + pb["bias"]
 
 
 def check_step(train, state, pa, pb, names):
   """One recording step's figures against the same model computed by hand."""
-  _, metrics = train.step(state, X)
+  state, metrics = train.step(state, X)
   assert bool(metrics["numerics_recorded"])
   got = metrics["numerics"]
   a, b = names
   h, y = forward(pa, pb, X)
-  # The cotangents arriving at each output, and the parameter gradients.
-  dy = jax.grad(lambda y: jnp.mean(y ** 2))(y)
-  dh = jax.grad(lambda h: jnp.mean((jax.nn.relu(h) @ pb["kernel"] + pb["bias"]) ** 2))(h)
-  ga, gb = jax.grad(lambda pa, pb: jnp.mean(forward(pa, pb, X)[1] ** 2), argnums=(0, 1))(pa, pb)
+  # The cotangents arriving at each output (loss: the mean of y**2), the gradients.
+  dy = (2 * y / y.size).astype(np.float32)
+  dh = (dy @ pb["kernel"].T) * (h > 0)
+  ga = {"kernel": X.T @ dh, "bias": dh.sum(0)}
+  gb = {"kernel": np.maximum(h, 0).T @ dy, "bias": dy.sum(0)}
   f32 = np.float32
   assert_stats(got[a]["activation"], h, f32, "a activation")
   assert_stats(got[b]["activation"], y, f32, "b activation")
@@ -94,19 +96,18 @@ def check_step(train, state, pa, pb, names):
   assert_stats(got[a]["cotangent"], dh, f32, "a cotangent")
   assert_stats(got[a]["grad"], [ga["bias"], ga["kernel"]], f32, "a grad")
   assert_stats(got[b]["grad"], [gb["bias"], gb["kernel"]], f32, "b grad")
-  return metrics
+  return state, metrics
 
 
-def params_for(key):
-  ka, kb, kc, kd = jax.random.split(key, 4)
-  pa = {"kernel": spread(ka, (4, 16)), "bias": spread(kb, (16,), -3, 1)}
-  pb = {"kernel": spread(kc, (16, 3), -3, 1), "bias": spread(kd, (3,), -3, 1)}
+def params_for(seed):
+  pa = {"kernel": spread(seed, (4, 16)), "bias": spread(seed + 1, (16,), -3, 1)}
+  pb = {"kernel": spread(seed + 2, (16, 3), -3, 1), "bias": spread(seed + 3, (3,), -3, 1)}
   return pa, pb
 
 
-def make(**kw):
+def make(every=1, **kw):
   return jaxamp.make_train_step(loss, optax.sgd(0.0), policy="float32",
-                                numerics=jaxamp.Numerics(every=1), **kw)
+                                numerics=jaxamp.Numerics(every=every), **kw)
 
 
 def test_nnx_statistics_match_numpy():
@@ -120,15 +121,20 @@ def test_nnx_statistics_match_numpy():
     def __call__(self, x):
       return self.b(jax.nn.relu(self.a(x)))
 
-  pa, pb = params_for(jax.random.key(1))
+  pa, pb = params_for(10)
   m = M()
   for layer, p in ((m.a, pa), (m.b, pb)):
     layer.kernel[...], layer.bias[...] = p["kernel"], p["bias"]
-  train = make()
-  metrics = check_step(train, train.init(m), pa, pb, ("a", "b"))
+  train = make(every=2)  # steps 0 and 2 record (SGD at rate 0: the same values)
+  state, metrics = check_step(train, train.init(m), pa, pb, ("a", "b"))
   assert set(metrics["numerics"]) == {"", "a", "b"}  # '' is the model's own call
+  state, metrics = train.step(state, X)
+  assert not bool(metrics["numerics_recorded"])
+  assert np.isnan([float(v) for v in jax.tree.leaves(metrics["numerics"])]).all()
+  check_step(train, state, pa, pb, ("a", "b"))
 
 
+@pytest.mark.slow
 def test_linen_statistics_match_numpy():
   import flax.linen as nn
 
@@ -137,12 +143,13 @@ def test_linen_statistics_match_numpy():
     def __call__(self, x):
       return nn.Dense(3, name="b")(jax.nn.relu(nn.Dense(16, name="a")(x)))
 
-  pa, pb = params_for(jax.random.key(2))
+  pa, pb = params_for(20)
   train = make()
   state = train.init(M(), {"params": {"a": pa, "b": pb}}, X)
   check_step(train, state, pa, pb, ("a", "b"))
 
 
+@pytest.mark.slow
 def test_equinox_statistics_match_numpy():
   eqx = pytest.importorskip("equinox")
 
@@ -153,7 +160,7 @@ def test_equinox_statistics_match_numpy():
     def __call__(self, x):
       return jax.vmap(lambda r: self.b(jax.nn.relu(self.a(r))))(x)
 
-  pa, pb = params_for(jax.random.key(3))
+  pa, pb = params_for(30)
   m = M(eqx.nn.Linear(4, 16, key=jax.random.key(0)), eqx.nn.Linear(16, 3, key=jax.random.key(1)))
   # Equinox keeps the weight as (out, in).
   m = eqx.tree_at(lambda m: (m.a.weight, m.a.bias, m.b.weight, m.b.bias), m,
@@ -162,13 +169,14 @@ def test_equinox_statistics_match_numpy():
   check_step(train, train.init(m), pa, pb, ("a", "b"))
 
 
+@pytest.mark.slow
 def test_compute_dtype_columns_follow_the_policy():
   """Under mixed_float16 the headline figures are float16's; the activation is the
   float16 output, which the eager float16 layer reproduces."""
   from flax import nnx
 
   layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-  layer.kernel[...] = spread(jax.random.key(4), (4, 3), -6, 3)
+  layer.kernel[...] = spread(4, (4, 3), -6, 3)
   train = jaxamp.make_train_step(loss, optax.sgd(0.0), policy="mixed_float16",
                                  numerics=jaxamp.Numerics(every=1))
   state = train.init(layer)
@@ -182,10 +190,11 @@ def test_compute_dtype_columns_follow_the_policy():
     assert float(got[kind]["overflow"]) == float(got[kind]["overflow_float16"])
 
 
+@pytest.mark.slow
 def test_every_n_schedule_and_nan_between():
   from flax import nnx
 
-  n = 3
+  n = 2
   train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16",
                                  numerics=jaxamp.Numerics(every=n))
   state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
@@ -198,21 +207,23 @@ def test_every_n_schedule_and_nan_between():
   assert recorded == [i % n == 0 for i in range(2 * n + 1)]
 
 
+@pytest.mark.slow
 def test_program_without_numerics_is_unchanged():
   from flax import nnx
 
   texts = []
-  for kw in ({}, {"numerics": None}, {"debug": jaxamp.DebugConfig(numerics=None)}):
+  for kw in ({}, {"numerics": None}):
     train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16", **kw)
     state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
     texts.append(train.lower(state, X).as_text())
-  assert texts[0] == texts[1] == texts[2]
+  assert texts[0] == texts[1]
   train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16",
                                  numerics=jaxamp.Numerics(every=2))
   state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
   assert train.lower(state, X).as_text() != texts[0]
 
 
+@pytest.mark.slow
 def test_grad_accumulation_combines_micro_batches():
   from flax import nnx
 
