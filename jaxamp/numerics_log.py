@@ -9,17 +9,17 @@ rules (``jaxamp.policy_rules`` / ``jaxamp.set_policy``) that keep in a safer pol
 modules whose values would underflow or saturate a target format, with the reason for
 each.
 
-Example:
-  >>> import jax.numpy as jnp, optax, jaxamp
-  >>> from flax import nnx
-  >>> train = jaxamp.make_train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1),
-  ...                                policy='float32', numerics=jaxamp.Numerics(every=1))
-  >>> state = train.init(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+Example (a step's metrics written by hand; the guide "Debugging precision" trains):
+  >>> import jaxamp
+  >>> from jaxamp import numerics
+  >>> stats = dict.fromkeys(numerics.STATS, 0.0) | {'amax': 1e5, 'overflow_float16': 0.5}
   >>> log = jaxamp.NumericsLog()
-  >>> state, metrics = train.step(state, jnp.full((4, 2), 1e5))
-  >>> log.add(0, metrics)
-  >>> jaxamp.suggest_policy(log, 'mixed_float16').rules
-  {'': 'float32'}
+  >>> log.add(0, {'numerics': {'dense': {'activation': stats}}, 'numerics_recorded': True})
+  >>> plan = jaxamp.suggest_policy(log, 'mixed_float16')
+  >>> plan.rules
+  {'dense': 'float32'}
+  >>> plan.reasons['dense']
+  "activation amax 1e+05 reaches float16's largest finite value (50.00% of values would be inf)"
 """
 
 from __future__ import annotations
