@@ -1,7 +1,8 @@
 """The numerics monitor: how close each module's values come to the edges of its format.
 
 ``make_train_step(..., numerics=jaxamp.Numerics(every=N))`` records, on every N-th step
-(a ``lax.cond`` on the step counter: the other steps compute nothing more), per module
+(a ``lax.cond`` on the step counter between the step that records and the plain one:
+the other steps run the program without the monitor), per module
 path, for its output activations, the cotangent arriving at its output and the
 gradients of its parameters: the largest finite magnitude (``amax``), the fraction of
 nonzero finite values below the compute dtype's smallest normal (``underflow``: they
@@ -142,13 +143,6 @@ def nan_stats() -> jax.Array:
   return jnp.full((SIZE,), jnp.nan, jnp.float32)
 
 
-def _gated(record: Any, x: jax.Array, dtype: Any, axes: Any = None) -> jax.Array:
-  """:func:`tensor_stats` on a recording step; NaN, computing nothing, on the others."""
-  if isinstance(record, bool):
-    return tensor_stats(x, dtype, axes) if record else nan_stats()
-  return jax.lax.cond(record, lambda v: tensor_stats(v, dtype, axes), lambda v: nan_stats(), x)
-
-
 def combine(a: jax.Array, b: jax.Array) -> jax.Array:
   """Two raw records as one (amax: the larger; counts: summed)."""
   return jnp.concatenate([jnp.maximum(a[:1], b[:1]), a[1:] + b[1:]])
@@ -188,14 +182,13 @@ def summarize(raw: jax.Array) -> dict[str, jax.Array]:
 class _Scope:
   """One differentiated forward pass being recorded.
 
-  ``record``: whether this step records (a traced bool). ``probes``:
+  ``probes``:
   ``{'activation' | 'cotangent': {(path, call, leaf): zeros}}``, the arrays whose
   cotangents carry each output's records; None for a discovery pass, which only lists
   the keys (``keys``).
   """
 
-  def __init__(self, record: Any, probes: Mapping[Any, Any] | None, axes: Any = None):
-    self.record = record
+  def __init__(self, probes: Mapping[Any, Any] | None, axes: Any = None):
     self.probes = probes
     self.axes = axes
     self.trace = jax_core.get_opaque_trace_state(convention="jaxamp")
@@ -221,11 +214,10 @@ def current() -> _Scope | None:
 
 
 @contextlib.contextmanager
-def scope(record: Any, probes: Mapping[Any, Any] | None, axes: Any = None
-          ) -> Iterator[_Scope]:
+def scope(probes: Mapping[Any, Any] | None, axes: Any = None) -> Iterator[_Scope]:
   """Records what the module calls in this block observe (see :class:`_Scope`);
   ``axes``: inside ``shard_map``, the batch axes."""
-  s = _Scope(record, probes, axes)
+  s = _Scope(probes, axes)
   _local.scopes.append(s)
   try:
     yield s
@@ -293,48 +285,46 @@ def observe(path: str | Callable[[], str | None] | None, compute: Any, out: Any,
     key = (path, call, i)
     if key in s.probes["activation"]:
       leaves[i] = _tap(leaves[i], s.probes["activation"][key], s.probes["cotangent"][key],
-                       s.record, dtype, s.axes)
+                       dtype, s.axes)
   return jax.tree.unflatten(treedef, leaves)
 
 
 @functools.cache
 def _batch_stats(axes: Any) -> Callable[..., jax.Array]:
-  """:func:`_gated` of ``x`` against the dtype of ``dtype_tag``, under ``jax.vmap`` of
-  the whole batch at once (the record is not batched)."""
+  """:func:`tensor_stats` of ``x`` against the dtype of ``dtype_tag``; under
+  ``jax.vmap``, of the whole batch at once."""
 
   @jax.custom_batching.custom_vmap
-  def stats(record, x, dtype_tag):
-    return _gated(record, x, dtype_tag.dtype, axes)
+  def stats(x, dtype_tag):
+    return tensor_stats(x, dtype_tag.dtype, axes)
 
   @stats.def_vmap
-  def _(axis_size, in_batched, record, x, dtype_tag):
+  def _(axis_size, in_batched, x, dtype_tag):
     del axis_size, in_batched  # x holds the whole batch: one record of it
-    return stats(record, x, dtype_tag), False
+    return stats(x, dtype_tag), False
 
   return stats
 
 
-def _stats(record: Any, x: jax.Array, dtype: Any, axes: Any) -> jax.Array:
-  return _batch_stats(axes)(record, x, jnp.zeros((), dtype))
+def _stats(x: jax.Array, dtype: Any, axes: Any) -> jax.Array:
+  return _batch_stats(axes)(x, jnp.zeros((), dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _tap(x: jax.Array, act: jax.Array, cot: jax.Array, record: Any, dtype: Any,
-         axes: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tap(x: jax.Array, act: jax.Array, cot: jax.Array, dtype: Any, axes: Any) -> jax.Array:
   """``x``; the backward pass hands ``x``'s record out as ``act``'s cotangent, the
   record of ``x``'s cotangent as ``cot``'s."""
-  del act, cot, record, dtype, axes
+  del act, cot, dtype, axes
   return x
 
 
-def _tap_fwd(x, act, cot, record, dtype, axes):
+def _tap_fwd(x, act, cot, dtype, axes):
   del act, cot
-  return x, (record, _stats(record, x, dtype, axes))
+  return x, _stats(x, dtype, axes)
 
 
-def _tap_bwd(dtype, axes, res, g):
-  record, seen = res
-  return g, seen, _stats(record, g, dtype, axes), None
+def _tap_bwd(dtype, axes, seen, g):
+  return g, seen, _stats(g, dtype, axes)
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)

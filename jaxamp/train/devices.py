@@ -55,12 +55,6 @@ def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.
   return _data_parallel_grads(plan, state, batch, scale, rng, watch)
 
 
-def _inside(watch: Watch | None, record: tuple[Any, ...]) -> Watch | None:
-  """Inside ``shard_map``: the watch with the flag passed in (an argument: shard_map
-  takes no closed-over value sharded on Explicit axes)."""
-  return None if watch is None else watch._replace(record=record[0])
-
-
 def _global(seen: Any, axes: Any) -> Any:
   """Inside ``shard_map``: each device's numerics records as the whole batch's."""
   return None if seen is None else jax.tree.map(
@@ -72,25 +66,24 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
   axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
 
-  def local(params, model_state, batch, rng, scale, scaled, *record):
+  def local(params, model_state, batch, rng, scale, scaled):
     rng, keys = _per_device_keys(rng, model_state, axes)
     # The scaled state is reduced over the devices inside, after every micro-batch.
     changed: set[int] = set()
     grads, loss, aux, new_state, new_scaled, seen = loss_and_grads(
         plan, params, keys, batch, rng, scale / n, scaled, axes=axes, changed=changed,
-        watch=_inside(watch, record))
+        watch=watch)
     reduced = lambda g: plan.options.sharding.reduce_dtype(g.dtype)
     grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduced(g)), axes).astype(g.dtype),
                          grads)
     return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
                                  model_state, changed), new_scaled, _global(seen, axes))
 
-  flag = () if watch is None else (watch.record,)
   sharded = jax.shard_map(local, mesh=plan.mesh,
-                          in_specs=(P(), P(), P(axes), P(), P(), P()) + (P(),) * len(flag),
+                          in_specs=(P(), P(), P(axes), P(), P(), P()),
                           out_specs=P(), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
-                 scale, state.scaled, *flag)
+                 scale, state.scaled)
 
 
 def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
@@ -100,7 +93,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
   out_dtypes = [at_least_float32(p.dtype) if plan.master_weights else p.dtype
                 for p in jax.tree.leaves(state.params)]
 
-  def local(params, model_state, batch, rng, scale, scaled, *record):
+  def local(params, model_state, batch, rng, scale, scaled):
     rng, keys = _per_device_keys(rng, model_state, axes)
     if plan.layer_gather:
       # The slices go in; each read gathers its parameter and each gradient leaves its
@@ -112,7 +105,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
     changed: set[int] = set()
     grads, loss, aux, new_state, new_scaled, seen = loss_and_grads(
         plan, inputs, keys, batch, rng, scale / n, scaled, keep_float32=True, axes=axes,
-        changed=changed, watch=_inside(watch, record))
+        changed=changed, watch=watch)
     if plan.layer_gather:
       grads = _reduce_replicated(plan, grads, out_dtypes)
     else:
@@ -121,12 +114,11 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
                                  model_state, changed), new_scaled, _global(seen, axes))
 
   specs = plan.param_specs
-  flag = () if watch is None else (watch.record,)
   sharded = jax.shard_map(local, mesh=plan.mesh,
-                          in_specs=(specs, P(), P(axes), P(), P(), P()) + (P(),) * len(flag),
+                          in_specs=(specs, P(), P(axes), P(), P(), P()),
                           out_specs=Grads(specs, P(), P(), P(), P(), P()), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
-                 scale, state.scaled, *flag)
+                 scale, state.scaled)
 
 
 def _reduce_replicated(plan: Plan, grads: Any, dtypes: list[Any]) -> Any:

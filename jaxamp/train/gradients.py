@@ -72,7 +72,7 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
     # A scope even with no state, if some layer runs a scaled format: those that run
     # without state (all inside scans, say) warn.
     record = bool(sc) or asks_for_scaled(options.policy)
-    watching = (numerics_lib.scope(False if probes is None else watch.record, probes, axes)
+    watching = (numerics_lib.scope(probes, axes)
                 if watch is not None else contextlib.nullcontext())
     with watching as seen, scaled_lib.state_scope(sc, record=record) as scope, \
         gather_lib.prefetching(plan.prefetch):

@@ -44,10 +44,14 @@ def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[st
   ``grads_finite``, ``grad_norm``, ``skipped_steps``, with the numerics monitor
   ``numerics`` and ``numerics_recorded``, and the aux)."""
   with rules_in_force(plan):
-    return _step(plan, state, batch)
+    if plan.options.debug.numerics is None:
+      return _step(plan, state, batch, None)
+    return watch_lib.every(plan.options.debug.numerics, state.step,
+                           lambda w: _step(plan, state, batch, w))
 
 
-def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+def _step(plan: Plan, state: TrainState, batch: Any, watch: watch_lib.Watch | None
+          ) -> tuple[TrainState, dict[str, Any]]:
   options = plan.options
   scale = (jnp.ones([], F32) if plan.unit_scale
            else _ls.get_loss_scale(state.opt_state))
@@ -57,7 +61,6 @@ def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[s
   # cotangent widened; narrow_cotangents finds those for the skip's cond.
   narrowable = (plan.narrow_reads and options.skip_nonfinite and plan.mesh is None
                 and options.grad_accum_steps == 1)
-  watch = watch_lib.start(options, state.step)
   with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
     out = devices.grads(plan, state, batch, scale, rng, watch)
   new = update.apply_or_skip(plan, state, out.grads, out.loss, out.model_state, out.scaled,
@@ -66,8 +69,8 @@ def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[s
                          model_state=new.model_state, rng=state.rng, scaled=new.scaled)
   metrics = _metrics(plan, state, new, out.grads, out.loss, out.aux)
   if watch is not None:
-    metrics["numerics"], metrics["numerics_recorded"] = watch_lib.report(
-        watch, out.numerics, out.grads, options.policy.compute_dtype)
+    metrics["numerics"] = watch_lib.report(watch, out.numerics, out.grads,
+                                           options.policy.compute_dtype)
   return new_state, metrics
 
 

@@ -1,8 +1,9 @@
-"""The numerics monitor's part of the step (:mod:`jaxamp.numerics`): whether this step
-records, and its records as ``metrics['numerics']``.
+"""The numerics monitor's part of the step (:mod:`jaxamp.numerics`): which steps
+record, and their records as ``metrics['numerics']``.
 
-:func:`start` makes the step's :class:`Watch` (None without the monitor: the step's
-program is then the one without it); the gradient stage fills it while the loss traces
+:func:`every` runs the step as a ``lax.cond`` on the step counter between the step
+that records (given a :class:`Watch`) and the plain one, so the other steps run the
+program without the monitor; the gradient stage fills the watch while the loss traces
 and returns the activation and cotangent records; :func:`report` adds the parameter
 gradients' and shapes them per module path:
 ``{path: {'activation' | 'cotangent' | 'grad': {stat: value}}}``, every value a float32
@@ -12,6 +13,7 @@ scalar, NaN on the steps that do not record.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,27 +24,37 @@ from jaxamp import adapters
 from jaxamp import numerics as numerics_lib
 from jaxamp.rules import leaf_name
 
-__all__ = ["Watch", "start", "report"]
+__all__ = ["Watch", "every", "report"]
 
 
 class Watch(NamedTuple):
-  """One step's trace of the monitor.
+  """The recording step's trace of the monitor.
 
   Attributes:
-    record: whether this step records (a traced bool: ``step % every == 0``).
     dtypes: each observed module's compute dtype by path, filled while the loss traces.
   """
 
-  record: Any
   dtypes: dict[str, Any]
 
 
-def start(options: Any, step: jax.Array) -> Watch | None:
-  """The step's :class:`Watch`, or None without ``DebugConfig.numerics``."""
-  numerics = options.debug.numerics
-  if numerics is None:
-    return None
-  return Watch(jnp.asarray(step % numerics.every == 0), {})
+def every(numerics: numerics_lib.Numerics, step: jax.Array,
+          run: Callable[[Watch | None], tuple[Any, dict[str, Any]]]
+          ) -> tuple[Any, dict[str, Any]]:
+  """``run(Watch)`` on the steps ``numerics`` records (``step % every == 0``), else
+  ``run(None)`` with NaN records (the plain step: nothing more computed); the metrics
+  gain ``numerics_recorded``."""
+  shapes = jax.eval_shape(lambda: run(Watch({})))[1]["numerics"]
+
+  def plain():
+    state, metrics = run(None)
+    nan = jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
+    return state, {**metrics, "numerics": nan, "numerics_recorded": jnp.bool_(False)}
+
+  def recorded():
+    state, metrics = run(Watch({}))
+    return state, {**metrics, "numerics_recorded": jnp.bool_(True)}
+
+  return jax.lax.cond(step % numerics.every == 0, recorded, plain)
 
 
 def _owner(name: str, modules: list[str]) -> str:
@@ -55,9 +67,8 @@ def _owner(name: str, modules: list[str]) -> str:
 
 
 def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any
-           ) -> tuple[dict[str, Any], jax.Array]:
-  """``(metrics['numerics'], metrics['numerics_recorded'])``: the gradient stage's
-  records and each parameter gradient's (as the backward pass left it: times the loss
+           ) -> dict[str, Any]:
+  """``metrics['numerics']``: the gradient stage's records and each parameter gradient's (as the backward pass left it: times the loss
   scale, against the owning module's compute dtype; ``default_dtype`` where no call of
   it was observed), per module path."""
   modules = sorted(watch.dtypes, key=len, reverse=True)
@@ -72,11 +83,7 @@ def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any
       raw.setdefault(path, {})[kind] = r
   for path, leaves in grouped.items():
     dtype = np.dtype(watch.dtypes.get(path, default_dtype))
-    raw.setdefault(path, {})["grad"] = jax.lax.cond(
-        watch.record,
-        lambda ls: functools.reduce(numerics_lib.combine,
-                                    [numerics_lib.tensor_stats(x, dtype) for x in ls]),
-        lambda ls: numerics_lib.nan_stats(), leaves)
-  out = {path: {kind: numerics_lib.summarize(r) for kind, r in sorted(kinds.items())}
-         for path, kinds in sorted(raw.items())}
-  return out, watch.record
+    raw.setdefault(path, {})["grad"] = functools.reduce(
+        numerics_lib.combine, [numerics_lib.tensor_stats(x, dtype) for x in leaves])
+  return {path: {kind: numerics_lib.summarize(r) for kind, r in sorted(kinds.items())}
+          for path, kinds in sorted(raw.items())}
