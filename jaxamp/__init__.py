@@ -73,6 +73,8 @@ from jaxamp.policy import (
     policy_scope,
     set_global_policy,
 )
+from jaxamp.numerics import Numerics
+from jaxamp.numerics_log import NumericsLog, PolicySuggestion, suggest_policy
 from jaxamp.residuals import half_residuals
 from jaxamp.rounding import (
     ApplyUpdates,
@@ -115,6 +117,10 @@ from jaxamp import block, fp8, linen, mxfp8, nnx, per_matmul, rowwise, scaled
 __version__ = "0.1.0"
 
 __all__ = [
+    "Numerics",
+    "NumericsLog",
+    "PolicySuggestion",
+    "suggest_policy",
     "fp8",
     "scaled",
     "RowwiseScaling",

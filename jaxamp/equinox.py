@@ -51,6 +51,7 @@ import numpy as np
 from jaxamp import _warn_once
 from jaxamp import fp8 as fp8_lib
 from jaxamp import module_call
+from jaxamp import numerics
 from jaxamp import scaled
 from jaxamp.casting import at_least_float32, is_floating_array, read_as
 from jaxamp.census import module_matmuls
@@ -81,6 +82,7 @@ class _Info(NamedTuple):
   recompute_norms: bool = False
   scope: int | None = None
   fp8_path: str | None = None  # an FP8 layer's path: its FP8 state's key
+  path: str | None = None  # set while the numerics monitor records (jaxamp.numerics)
 
 
 def _info(module: Any) -> _Info | None:
@@ -244,7 +246,7 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
       _LIBRARY, info.policy, args, kwargs, call=lambda a, k: run(module, a, k, tie),
       recomputed=lambda r: eqx.filter_checkpoint(cast_and_run, policy=r.policy)(
           module, args, kwargs, tie),
-      remat=remat, scope=info.scope, output_dtype=info.output_dtype)
+      remat=remat, scope=info.scope, output_dtype=info.output_dtype, path=info.path)
 
 
 def fp8_classes() -> tuple[type, ...]:
@@ -390,8 +392,9 @@ def _view(model: Any, policy: Policy, *, float32_outputs: bool = False,
     p = policies[path]
     out = at_least_float32(p.output_dtype) if top and float32_outputs else p.output_dtype
     fp8_path = path_name(path) if fp8_lib.runs_fp8(base, p) else None
+    watched = path_name(path) if numerics.current() is not None else None
     return _policy_class(_Info(base, p, policy, np.dtype(out), bool(recompute_norms),
-                               fp8_path=fp8_path))
+                               fp8_path=fp8_path, path=watched))
 
   return _rebuilt(model, make, cast=policy.compute_dtype)
 

@@ -493,7 +493,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
             call=lambda a, k: call(next_fun, module, path, nested, context, a, k),
             recomputed=lambda r: recomputed(module, path, context, args, kwargs, compute,
                                             r.policy, tie=owns),
-            remat=remat, widen=False)  # an nn.scan carry goes back as it came, below
+            remat=remat, widen=False,  # an nn.scan carry goes back as it came, below
+            path=lambda: "/".join(map(str, path)))
     finally:
       running.pop()
     if (args and linen_is_lifted_body(module) and type(out) is tuple and out

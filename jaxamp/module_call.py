@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
+from jaxamp import numerics
 from jaxamp.casting import cast_leaf, is_floating_array
 from jaxamp.census import float32_in_half_modules, scope_name, warn_float32_matmuls
 from jaxamp.policy import Policy
@@ -250,7 +251,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
                call: Callable[[tuple[Any, ...], dict[str, Any]], Any],
                recomputed: Callable[[Remat], Any] | None,
                remat: Remat | None = None, scope: int | None = None,
-               output_dtype: Any = None, widen: bool = True) -> Any:
+               output_dtype: Any = None, widen: bool = True,
+               path: str | Callable[[], str | None] | None = None) -> Any:
   """One module call under ``policy``.
 
   Args:
@@ -265,6 +267,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
     scope: the census scope number (None: no census run).
     output_dtype: the dtype floating outputs are handed over in (None: the policy's).
     widen: False hands the outputs back as they came (the library casts them).
+    path: the module's path (or a function giving it), which the numerics monitor
+      (:mod:`jaxamp.numerics`) records its outputs under; read only while it records.
 
   Returns:
     The module's output, floating arrays in ``output_dtype``.
@@ -276,6 +280,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
     else:
       out = call(cast_values(args, compute, library.keep),
                  cast_values(kwargs, compute, library.keep))
+  if numerics.current() is not None:
+    out = numerics.observe(path, compute, out, library.keep)
   if not widen:
     return out
   dtype = policy.output_dtype if output_dtype is None else output_dtype

@@ -80,6 +80,7 @@ _STATED_OUTPUT = {
     ("guides/memory.md", 0): ["bfloat16 bfloat16 int32"],
     ("guides/third_party.md", 0): ["1.0"],
     ("guides/checking_precision.md", 1): ["1.0"],
+    ("guides/debugging.md", 0): ["['big', 'tiny']"],
     ("guides/migrating.md", 0): ["params=float32,compute=bfloat16,output=float32"],
 }
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import nnx as amp_nnx
+from jaxamp import numerics
 from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp.adapters._common import check_in_range, module_params
 from jaxamp.adapters._registry import Split
@@ -70,6 +71,9 @@ class NNXAdapter:
     if shards is not None:
       _gather_on_read(model, params, shards)
     fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
+    if numerics.current() is not None:  # the numerics monitor records by module path
+      numerics.name_modules({id(node): path_name(path) for path, node in nnx.iter_graph(model)
+                             if isinstance(node, nnx.Module)})
     if not train:
       model.eval()
     kind = Float32Outputs if float32_outputs else amp_nnx.PolicyModule

@@ -16,6 +16,7 @@ from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
 from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp import module_call
+from jaxamp import numerics
 from jaxamp.casting import is_floating_dtype
 from jaxamp.nnx._attention import half_dot_product_attention
 from jaxamp.nnx._plan import _base_class
@@ -235,7 +236,7 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
         recomputed=lambda r: _recomputed(module, fn, compute, args, kwargs, r.policy,
                                          tied=r.regather),
         remat=remat, scope=vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None,
-        widen=False)  # widened below, once the module is as it was
+        widen=False, path=lambda: numerics.name_of(module))  # widened below, once the module is as it was
   finally:
     for step in reversed(undo):
       step()

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import at_least_float32, is_floating_dtype, real_or_complex
+from jaxamp.numerics import Numerics
 
 STATE_REDUCTIONS = ("mean", "sum", "max", "min", "same")
 """How a model-state leaf updated on each device is combined under a mesh: averaged
@@ -212,17 +213,18 @@ SHORTHANDS = ("master_weights", "opt_state_dtype")
 """``make_train_step``'s keywords that set a :class:`MemoryConfig` field of that name."""
 
 
-def with_shorthands(memory: MemoryConfig, given: Mapping[str, Any]) -> MemoryConfig:
-  """``memory`` with the fields ``make_train_step`` took as keywords of their own
-  (``master_weights=``, ``opt_state_dtype=``; None: not given); one that ``memory``
-  also sets (not None) is refused."""
+def with_shorthands(config: Any, name: str, given: Mapping[str, Any]) -> Any:
+  """``config`` (``make_train_step``'s ``name=`` config) with the fields
+  ``make_train_step`` took as keywords of their own (``master_weights=``,
+  ``opt_state_dtype=``, ``numerics=``; None: not given); one that ``config`` also sets
+  (not None) is refused."""
   fields = {k: v for k, v in given.items() if v is not None}
-  both = [k for k in fields if getattr(memory, k) is not None]
+  both = [k for k in fields if getattr(config, k) is not None]
   if both:
-    raise ValueError(f"make_train_step got {both[0]}={fields[both[0]]!r} and memory= "
-                     f"setting {both[0]}={getattr(memory, both[0])!r}: give it once "
+    raise ValueError(f"make_train_step got {both[0]}={fields[both[0]]!r} and {name}= "
+                     f"setting {both[0]}={getattr(config, both[0])!r}: give it once "
                      "(either spelling).")
-  return dataclasses.replace(memory, **fields) if fields else memory
+  return dataclasses.replace(config, **fields) if fields else config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +240,10 @@ class DebugConfig:
       two counters per that many calls, from results at least that old, so it never
       waits on the step it just dispatched; the warning comes up to three windows after
       the streak began. None: never warn.
+    numerics: a :class:`jaxamp.Numerics`: record every N-th step, per module, how close
+      activations, cotangents and gradients come to their format's range, in
+      ``metrics['numerics']`` (``make_train_step(numerics=...)`` sets it). None: off, and
+      the step's program is the one without it.
 
   Example:
     >>> import jaxamp
@@ -251,6 +257,7 @@ class DebugConfig:
 
   nonfinite_grads: bool = False
   warn_skipped_steps: int | None = 100
+  numerics: Numerics | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "nonfinite_grads",
@@ -259,6 +266,9 @@ class DebugConfig:
     if warn is not None and (isinstance(warn, bool) or not isinstance(warn, int) or warn < 1):
       raise ValueError(f"DebugConfig.warn_skipped_steps must be a positive int (steps) or "
                        f"None (never warn), got {warn!r}.")
+    if self.numerics is not None and not isinstance(self.numerics, Numerics):
+      raise ValueError(f"DebugConfig.numerics must be a jaxamp.Numerics (e.g. "
+                       f"jaxamp.Numerics(every=100)) or None, got {self.numerics!r}.")
 
 
 DEPRECATED: Mapping[str, tuple[str, type, str]] = {

@@ -30,30 +30,39 @@ from jaxamp import gather
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import at_least_float32, widen_floating
 from jaxamp.train import layout
+from jaxamp import numerics as numerics_lib
 from jaxamp.train.gradients import Grads, loss_and_grads
 from jaxamp.train.loss import combine_aux
 from jaxamp.train.plan import Plan
 from jaxamp.train.state import TrainState, is_key
+from jaxamp.train.watch import Watch
 
 __all__ = ["grads"]
 
 P = jax.sharding.PartitionSpec
 
 
-def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array
-          ) -> Grads:
+def grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array,
+          watch: Watch | None = None) -> Grads:
   """``loss_and_grads`` over the whole (global) batch, gradients in the params'
-  layout."""
+  layout; with ``watch``, the numerics records of the whole batch (every device's
+  combined)."""
   if plan.mesh is None:
     return loss_and_grads(plan, state.params, state.model_state, batch, rng, scale,
-                          state.scaled)
+                          state.scaled, watch=watch)
   if plan.sharded:
-    return _sharded_grads(plan, state, batch, scale, rng)
-  return _data_parallel_grads(plan, state, batch, scale, rng)
+    return _sharded_grads(plan, state, batch, scale, rng, watch)
+  return _data_parallel_grads(plan, state, batch, scale, rng, watch)
+
+
+def _global(seen: Any, axes: Any) -> Any:
+  """Inside ``shard_map``: each device's numerics records as the whole batch's."""
+  return None if seen is None else jax.tree.map(
+      lambda r: numerics_lib.reduce_over(r, axes), seen)
 
 
 def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
-                         rng: jax.Array) -> Grads:
+                         rng: jax.Array, watch: Watch | None) -> Grads:
   axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
 
@@ -61,13 +70,14 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
     rng, keys = _per_device_keys(rng, model_state, axes)
     # The scaled state is reduced over the devices inside, after every micro-batch.
     changed: set[int] = set()
-    grads, loss, aux, new_state, new_scaled = loss_and_grads(
-        plan, params, keys, batch, rng, scale / n, scaled, axes=axes, changed=changed)
+    grads, loss, aux, new_state, new_scaled, seen = loss_and_grads(
+        plan, params, keys, batch, rng, scale / n, scaled, axes=axes, changed=changed,
+        watch=watch)
     reduced = lambda g: plan.options.sharding.reduce_dtype(g.dtype)
     grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduced(g)), axes).astype(g.dtype),
                          grads)
     return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
-                                 model_state, changed), new_scaled)
+                                 model_state, changed), new_scaled, _global(seen, axes))
 
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(P(), P(), P(axes), P(), P(), P()),
@@ -77,7 +87,7 @@ def _data_parallel_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.A
 
 
 def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
-                   rng: jax.Array) -> Grads:
+                   rng: jax.Array, watch: Watch | None) -> Grads:
   axes = plan.options.sharding.batch_axes
   n = sharding_lib.axis_size(plan.mesh, axes)
   out_dtypes = [at_least_float32(p.dtype) if plan.widens else p.dtype
@@ -93,20 +103,20 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
     else:
       inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
     changed: set[int] = set()
-    grads, loss, aux, new_state, new_scaled = loss_and_grads(
+    grads, loss, aux, new_state, new_scaled, seen = loss_and_grads(
         plan, inputs, keys, batch, rng, scale / n, scaled, keep_float32=True, axes=axes,
-        changed=changed)
+        changed=changed, watch=watch)
     if plan.layer_gather:
       grads = _reduce_replicated(plan, grads, out_dtypes)
     else:
       grads = gather.reduce_all(plan.shards, grads, out_dtypes)
     return Grads(grads, *_reduce(plan, loss, aux, _shared_keys(new_state, model_state),
-                                 model_state, changed), new_scaled)
+                                 model_state, changed), new_scaled, _global(seen, axes))
 
   specs = plan.param_specs
   sharded = jax.shard_map(local, mesh=plan.mesh,
                           in_specs=(specs, P(), P(axes), P(), P(), P()),
-                          out_specs=Grads(specs, P(), P(), P(), P()), check_vma=False)
+                          out_specs=Grads(specs, P(), P(), P(), P(), P()), check_vma=False)
   return sharded(state.params, state.model_state, layout.put_batch(plan, batch), rng,
                  scale, state.scaled)
 

@@ -8,6 +8,7 @@ sums the micro-batches' gradients in float32 (float64 ones in float64) inside a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxamp import adapters
 from jaxamp import gather as gather_lib
+from jaxamp import numerics as numerics_lib
 from jaxamp import scaled as scaled_lib
 from jaxamp.casting import at_least_float32
 from jaxamp.residuals import (checkpointed, half_residuals, save_all_but_gathers,
@@ -25,6 +27,7 @@ from jaxamp.rules import asks_for_fp8 as asks_for_scaled
 from jaxamp.rules import leaf_name
 from jaxamp.train.loss import call_user, combine_aux, split_loss
 from jaxamp.train.plan import Plan, autocast_under_level
+from jaxamp.train.watch import Watch
 
 __all__ = ["Grads", "loss_and_grads"]
 
@@ -38,6 +41,8 @@ class Grads(NamedTuple):
     aux: ``loss_fn``'s aux, combined over micro-batches.
     model_state: the model state after the step's forward passes.
     scaled: the scaled formats' state after them (:mod:`jaxamp.scaled`), or None.
+    numerics: with the numerics monitor, ``{'activation': {path: raw record},
+      'cotangent': {...}}`` (:mod:`jaxamp.numerics`); else None.
   """
 
   grads: Any
@@ -45,30 +50,42 @@ class Grads(NamedTuple):
   aux: Any
   model_state: Any
   scaled: Any
+  numerics: Any = None
 
 
 def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
-             changed: set[int] | None = None) -> Callable[..., Any]:
+             changed: set[int] | None = None, watch: Watch | None = None
+             ) -> Callable[..., Any]:
   """``(params, scaled, model_state, batch, key) -> (grads, new scaled, (loss, aux, new
   model state))``: the gradients of the loss times ``weight``, and the scaled formats'
   state updated from its cotangent (:func:`jaxamp.scaled.merge_state`: what the forward
   and backward passes observed, reduced over the mesh ``axes`` inside ``shard_map``, if
   any). The positions of the model-state leaves a call changed are added to
-  ``changed``, if given."""
+  ``changed``, if given. With ``watch``, a fourth result: the numerics records
+  (:attr:`Grads.numerics`)."""
   options = plan.options
   used: set[str] = set()  # modules of a scaled format that ran, known once traced
 
-  def scaled_loss(p, sc, ms, mb, key):
+  keys: list[Any] = []  # the numerics taps, listed by a discovery pass
+
+  def scaled_loss(p, sc, ms, mb, key, probes=None):
     # A scope even with no state, if some layer runs a scaled format: those that run
     # without state (all inside scans, say) warn.
     record = bool(sc) or asks_for_scaled(options.policy)
-    with scaled_lib.state_scope(sc, record=record) as scope, \
+    watching = (numerics_lib.scope(probes, axes)
+                if watch is not None else contextlib.nullcontext())
+    with watching as seen, scaled_lib.state_scope(sc, record=record) as scope, \
         gather_lib.prefetching(plan.prefetch):
       model, new_state = plan.adapter.bind(
           p, ms, key, options.policy, train=True, float32_outputs=options.float32_outputs,
           **({"shards": plan.shards} if plan.layer_gather else {}))
       loss, aux = split_loss(call_user(options.loss_fn, model, mb), options.has_aux)
       used.update(scope.used if scope is not None else ())
+    if watch is None:
+      return loss * weight, (loss, aux, new_state())
+    watch.dtypes.update(seen.dtypes)
+    if probes is None:
+      keys[:] = seen.keys
     return loss * weight, (loss, aux, new_state())
 
   loss = autocast_under_level(options, scaled_loss, batch_argnum=3)
@@ -80,10 +97,16 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
         gather_lib.check_reads, shards=plan.shards, names=_param_names(plan)))
   elif plan.half_residuals:
     loss = half_residuals(loss)
-  raw_grad_fn = jax.grad(loss, argnums=(0, 1), has_aux=True)
+  raw_grad_fn = jax.grad(loss, argnums=(0, 1) if watch is None else (0, 1, 5), has_aux=True)
 
   def grad_fn(p, sc, ms, mb, key):
-    (g, sc_cot), out = raw_grad_fn(p, sc, ms, mb, key)
+    if watch is None:
+      (g, sc_cot), out = raw_grad_fn(p, sc, ms, mb, key)
+    else:  # a discovery pass lists the outputs to tap (shapes only, nothing runs)
+      jax.eval_shape(loss, p, sc, ms, mb, key, None)
+      zeros = {k: jnp.zeros((numerics_lib.SIZE,), jnp.float32) for k in keys}
+      probes = {"activation": zeros, "cotangent": dict(zeros)}
+      (g, sc_cot, probe_cot), out = raw_grad_fn(p, sc, ms, mb, key, probes)
     _check_same_structure(ms, out[2])
     if changed is not None:  # unchanged leaves come back as the very tracers passed in
       changed.update(i for i, (new, old) in enumerate(zip(jax.tree.leaves(out[2]),
@@ -91,7 +114,9 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
                      if new is not old)
     if sc:
       sc = scaled_lib.merge_state(sc, sc_cot, used, plan.scaled_recipes, axes)
-    return g, sc, out
+    if watch is None:
+      return g, sc, out
+    return g, sc, out, {kind: numerics_lib.by_path(probe_cot[kind]) for kind in probe_cot}
 
   return grad_fn
 
@@ -128,7 +153,8 @@ def _check_same_structure(before: Any, after: Any) -> None:
 
 def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: jax.Array,
                    scale: jax.Array, scaled: Any = None, keep_float32: bool = False,
-                   axes: Any = None, changed: set[int] | None = None) -> Grads:
+                   axes: Any = None, changed: set[int] | None = None,
+                   watch: Watch | None = None) -> Grads:
   """Scaled-loss gradients over micro-batches, accumulated in at least float32
   (complex64 for complex parameters; kept so with ``keep_float32``), and the new state
   of the scaled formats (``scaled``: ``TrainState.scaled``).
@@ -147,11 +173,11 @@ def loss_and_grads(plan: Plan, params: Any, model_state: Any, batch: Any, rng: j
   # Each micro-batch's loss is scaled by scale / k (torch's recipe: the loss divided by
   # k before scaling), so its float16 backward pass carries the values of the k=1 step's
   # and overflows no sooner; the accumulated sum is then the mean's scaled gradient.
-  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, axes, changed)
+  grad_fn = _grad_fn(plan, scale if k == 1 else scale / k, axes, changed, watch)
   if k == 1:
-    grads, scaled, (loss, aux, model_state) = grad_fn(params, scaled, model_state, batch,
-                                                      rng)
-    return Grads(grads, loss, aux, model_state, scaled)
+    grads, scaled, (loss, aux, model_state), *seen = grad_fn(params, scaled, model_state,
+                                                             batch, rng)
+    return Grads(grads, loss, aux, model_state, scaled, *seen)
   return _accumulated(plan, grad_fn, params, model_state, batch, rng, scaled, keep_float32)
 
 
@@ -171,19 +197,20 @@ def _accumulated(plan: Plan, grad_fn: Callable[..., Any], params: Any, model_sta
     mb, i = xs
     mb = rebuild(mb)
     key = None if rng is None else jax.random.fold_in(rng, i)  # None: the model takes none
-    g, sc, (loss, aux, ms) = grad_fn(params, sc, ms, mb, key)
+    g, sc, (loss, aux, ms), *seen = grad_fn(params, sc, ms, mb, key)
     acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-    return (acc, ms, sc), (loss, aux)
+    return (acc, ms, sc), (loss, aux, *seen)
 
-  (acc, model_state, scaled), (losses, auxes) = jax.lax.scan(
+  (acc, model_state, scaled), (losses, auxes, *seen) = jax.lax.scan(
       body, (acc0, model_state, scaled), (split, jnp.arange(k)))
+  seen = [jax.tree.map(numerics_lib.combine_axis, s) for s in seen]  # over micro-batches
   # Accumulated in float32 (or wider). Master weights (and the rounding modes) take them
   # so; otherwise they go on in each parameter's dtype, so the optimizer state keeps its dtypes (and the step its single
   # trace).
   grads = jax.tree.map(lambda a, p: a if plan.widens or keep_float32
                        else a.astype(p.dtype), acc, params)
   return Grads(grads, jnp.mean(losses), combine_aux(auxes, over_axis=0), model_state,
-               scaled)
+               scaled, *seen)
 
 
 def _micro_batches(batch: Any, k: int) -> tuple[list[jax.Array], Callable[[list[Any]], Any]]:

@@ -29,7 +29,7 @@ from jaxamp import loss_scale as _ls
 from jaxamp import scaled as scaled_lib
 from jaxamp.casting import narrow_cotangents, widen_floating
 from jaxamp.rules import path_name
-from jaxamp.train import devices, layout, update
+from jaxamp.train import devices, layout, update, watch as watch_lib
 from jaxamp.train.loss import F32, call_user
 from jaxamp.train.plan import Plan, autocast_under_level, rules_in_force
 from jaxamp.train.state import TrainState
@@ -41,12 +41,17 @@ P = jax.sharding.PartitionSpec
 
 def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
   """One training step: the new state and the metrics (``loss``, ``loss_scale``,
-  ``grads_finite``, ``grad_norm``, ``skipped_steps``, and the aux)."""
+  ``grads_finite``, ``grad_norm``, ``skipped_steps``, with the numerics monitor
+  ``numerics`` and ``numerics_recorded``, and the aux)."""
   with rules_in_force(plan):
-    return _step(plan, state, batch)
+    if plan.options.debug.numerics is None:
+      return _step(plan, state, batch, None)
+    return watch_lib.every(plan.options.debug.numerics, state.step,
+                           lambda w: _step(plan, state, batch, w))
 
 
-def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+def _step(plan: Plan, state: TrainState, batch: Any, watch: watch_lib.Watch | None
+          ) -> tuple[TrainState, dict[str, Any]]:
   options = plan.options
   scale = (jnp.ones([], F32) if plan.unit_scale
            else _ls.get_loss_scale(state.opt_state))
@@ -57,12 +62,16 @@ def _step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[s
   narrowable = (plan.narrow_reads and options.skip_nonfinite and plan.mesh is None
                 and options.grad_accum_steps == 1)
   with narrow_cotangents() if narrowable else contextlib.nullcontext() as found:
-    out = devices.grads(plan, state, batch, scale, rng)
+    out = devices.grads(plan, state, batch, scale, rng, watch)
   new = update.apply_or_skip(plan, state, out.grads, out.loss, out.model_state, out.scaled,
                              scale, found)
   new_state = TrainState(params=new.params, opt_state=new.opt_state, step=state.step + 1,
                          model_state=new.model_state, rng=state.rng, scaled=new.scaled)
-  return new_state, _metrics(plan, state, new, out.grads, out.loss, out.aux)
+  metrics = _metrics(plan, state, new, out.grads, out.loss, out.aux)
+  if watch is not None:
+    metrics["numerics"] = watch_lib.report(watch, out.numerics, out.grads,
+                                           options.policy.compute_dtype)
+  return new_state, metrics
 
 
 def _metrics(plan: Plan, state: TrainState, new: update.Applied, grads: Any,

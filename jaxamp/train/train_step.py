@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import policy as policy_lib
+from jaxamp.numerics import Numerics
 from jaxamp.policy import PolicyLike, get_policy, global_policy
 from jaxamp.train import config as config_lib
 from jaxamp.train import init as init_lib
@@ -350,6 +351,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
                     memory: MemoryConfig | None = None,
                     debug: DebugConfig | None = None,
                     master_weights: bool | str | None = None, opt_state_dtype: Any = None,
+                    numerics: Numerics | None = None,
                     **deprecated: Any) -> TrainStep:
   """Builds a compiled mixed-precision train step.
 
@@ -423,11 +425,14 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     memory: a :class:`jaxamp.MemoryConfig`: donation of the input state, master
       weights, recomputed norms, half-precision residuals. None: its defaults.
     debug: a :class:`jaxamp.DebugConfig`: ``metrics['nonfinite_grads']``, the
-      skipped-steps warning. None: its defaults.
+      skipped-steps warning, the numerics monitor. None: its defaults.
     master_weights, opt_state_dtype: shorthands for the :class:`jaxamp.MemoryConfig`
       fields of those names (``policy='bfloat16', master_weights='stochastic',
       opt_state_dtype=jnp.bfloat16``: 8 bytes per parameter with Adam); one that
       ``memory=`` also sets is refused.
+    numerics: a :class:`jaxamp.Numerics`: every N-th step, per module, how close values
+      come to their format's range, in ``metrics['numerics']`` (the same as
+      ``debug=DebugConfig(numerics=...)``; see :mod:`jaxamp.numerics`).
     **deprecated: this release only, the former keywords of the configs' fields
       (``mesh=``, ``batch_axis=``, ``param_sharding=``, ``grad_reduce_dtype=``,
       ``model_state_reduction=``, ``donate=``,
@@ -443,7 +448,10 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
   configs = config_lib.from_keywords(
       deprecated, {"sharding": sharding, "memory": memory, "debug": debug}, stacklevel=2)
   configs["memory"] = config_lib.with_shorthands(
-      configs["memory"], {"master_weights": master_weights, "opt_state_dtype": opt_state_dtype})
+      configs["memory"], "memory",
+      {"master_weights": master_weights, "opt_state_dtype": opt_state_dtype})
+  configs["debug"] = config_lib.with_shorthands(configs["debug"], "debug",
+                                                {"numerics": numerics})
   level = None
   if opt_level is not None:
     from jaxamp.opt_levels import opt_level as get_level  # pylint: disable=g-import-not-at-top

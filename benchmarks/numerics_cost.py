@@ -1,0 +1,112 @@
+"""What the numerics monitor costs: step time with ``numerics=None`` against
+``numerics=jaxamp.Numerics(every=100)``, on the transformer LM (NNX) and the ResNet CNN
+(Linen), under ``mixed_bfloat16``.
+
+Both steps are compiled first; then rounds interleave them (the order alternating),
+each round ``--calls`` steps then one ``block_until_ready``, so the 1-in-100 recording
+step falls inside the rounds as in training. The ratio is the median of the per-round
+ratios. ``numerics=None`` is the program without the monitor (the same lowered text as
+a step made without the keyword; ``tests/test_numerics.py`` checks it). Writes
+``RESULTS.md`` and ``results.json`` into ``--out``, with the machine named.
+
+    python benchmarks/numerics_cost.py --out benchmarks/numerics
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxamp  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import models  # noqa: E402  pylint: disable=wrong-import-position
+from examples.resnet import loss_fn as resnet_loss  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _lm(numerics, small):
+  cfg = (models.LMConfig(vocab=256, dim=64, heads=4, layers=2, seq_len=32, batch=8) if small
+         else models.LMConfig(vocab=1024, dim=256, heads=4, layers=4, seq_len=128, batch=16))
+  train = jaxamp.make_train_step(models.lm_loss, optax.adam(1e-3), policy="mixed_bfloat16",
+                                 numerics=numerics)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  state = train.init(models.GPT(cfg, rngs=nnx.Rngs(0)))
+  return train, state, models.lm_batch(cfg)
+
+
+def _cnn(numerics, small):
+  cfg = (models.ResNetConfig((1, 1), 8, 10, 32, 8) if small
+         else models.ResNetConfig((2, 2, 2), 32, 100, 64, 32))
+  module = models.resnet_module(cfg)
+  batch = models.image_batch(cfg)
+  variables = module.init(jax.random.key(0), batch["image"][:1], train=False)
+  train = jaxamp.make_train_step(resnet_loss, optax.sgd(0.1, momentum=0.9), has_aux=True,
+                                 policy="mixed_bfloat16", numerics=numerics)
+  image = jax.ShapeDtypeStruct(batch["image"].shape, jnp.float32)
+  return train, train.init(module, variables, image, train=False), batch
+
+
+def measure(make, rounds, calls, small):
+  runs = {}
+  for name, numerics in (("off", None), ("every=100", jaxamp.Numerics(every=100))):
+    train, state, batch = make(numerics, small)
+    state, m = train.step(state, batch)  # compile
+    jax.block_until_ready(m)
+    runs[name] = [train, state, batch]
+  times = {name: [] for name in runs}
+  for r in range(rounds):
+    order = list(runs) if r % 2 == 0 else list(reversed(runs))
+    for name in order:
+      train, state, batch = runs[name]
+      start = time.perf_counter()
+      for _ in range(calls):
+        state, m = train.step(state, batch)
+      jax.block_until_ready((state, m))
+      times[name].append((time.perf_counter() - start) / calls)
+      runs[name][1] = state
+  ratios = [a / b for a, b in zip(times["every=100"], times["off"])]
+  return {"off_ms": 1e3 * statistics.median(times["off"]),
+          "every100_ms": 1e3 * statistics.median(times["every=100"]),
+          "ratio": statistics.median(ratios), "rounds": rounds, "calls": calls,
+          "times": times}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default=None)
+  p.add_argument("--rounds", type=int, default=7)
+  p.add_argument("--calls", type=int, default=100)
+  p.add_argument("--small", action="store_true", help="tiny models (a smoke run)")
+  args = p.parse_args(argv)
+  device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {platform.machine()})"
+  results = {"device": device, "models": {}}
+  lines = [f"# Numerics monitor cost ({device})", "",
+           "| model | numerics=None (ms/step) | every=100 (ms/step) | ratio (median) |",
+           "| --- | ---: | ---: | ---: |"]
+  for name, make in (("LM (NNX GPT)", _lm), ("CNN (Linen ResNet)", _cnn)):
+    r = measure(make, args.rounds, args.calls, args.small)
+    results["models"][name] = r
+    lines.append(f"| {name} | {r['off_ms']:.2f} | {r['every100_ms']:.2f} | {r['ratio']:.3f} |")
+  text = "\n".join(lines)
+  print(text)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+      f.write(text + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  main()

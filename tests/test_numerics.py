@@ -1,0 +1,280 @@
+"""The numerics monitor (jaxamp.numerics, make_train_step(numerics=...)): each statistic
+against a NumPy recomputation from activations, cotangents and gradients captured
+separately, for NNX, Linen and Equinox; the every-N schedule; the program without it."""
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp import numerics
+from tests.train_helpers import ROOT, run_script
+
+STATS = numerics.STATS
+
+
+def reference(xs, dtype):
+  """The statistics of the arrays ``xs`` (one module's: each FP8 figure scales each
+  array by its own amax) against ``dtype``, by their definitions, in NumPy."""
+  xs = [np.abs(np.asarray(x, np.float64)).ravel() for x in xs]
+  f16, bf16 = np.finfo(np.float16), jnp.finfo(jnp.bfloat16)
+  info = jnp.finfo(dtype)
+  fp8 = {s: jnp.finfo(t) for s, t in (("e4m3", jnp.float8_e4m3fn), ("e5m2", jnp.float8_e5m2))}
+  n = nonzero = nonfinite = 0
+  under, over = {}, {}
+  amax = 0.0
+  for a in xs:
+    finite = np.isfinite(a)
+    nz = finite & (a > 0)
+    top = a[finite].max(initial=0.0)
+    amax = max(amax, top)
+    n, nonzero, nonfinite = n + a.size, nonzero + nz.sum(), nonfinite + (~finite).sum()
+    tiny = {"": info.tiny, "_float16": f16.tiny, "_bfloat16": bf16.tiny,
+            **{"_" + s: top * float(f.tiny) / float(f.max) for s, f in fp8.items()},
+            "_float16_ls": float(f16.tiny) / 2.0 ** 15}
+    big = {"": info.max, "_float16": f16.max, "_bfloat16": bf16.max}
+    for k, t in tiny.items():
+      under[k] = under.get(k, 0) + np.sum(nz & (a < float(t)))
+    for k, b in big.items():
+      over[k] = over.get(k, 0) + np.sum(a >= float(b))
+  out = {"amax": amax, "count": n, "nonfinite": nonfinite}
+  out.update({f"underflow{k}": v / max(nonzero, 1) for k, v in under.items()})
+  out.update({f"overflow{k}": v / n for k, v in over.items()})
+  return out
+
+
+def assert_stats(got, x, dtype, what):
+  want = reference(x if isinstance(x, list) else [x], dtype)
+  assert set(got) == set(STATS)
+  for k in STATS:
+    # float32 sums in another order: amax within rounding; counts exact.
+    np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-5, err_msg=f"{what}: {k}")
+
+
+def spread(seed, shape, lo=-10, hi=6):
+  """float32 values whose magnitudes span 10**lo .. 10**hi (under float16's smallest
+  normal, over its largest), signs mixed, some exact zeros (NumPy: no JAX op to compile)."""
+  r = np.random.RandomState(seed)
+  mag = 10.0 ** r.uniform(lo, hi, shape)
+  sign = np.where(r.rand(*shape) < 0.5, 1.0, -1.0)
+  return np.where(r.rand(*shape) < 0.1, 0.0, mag * sign).astype(np.float32)
+
+
+X = spread(0, (8, 4), -4, 2)
+
+
+def loss(model, x):
+  return jnp.mean(model(x) ** 2)
+
+
+def forward(pa, pb, x):
+  """The model's two Dense layers and the ReLU between them, in NumPy (float32)."""
+  h = x @ pa["kernel"] + pa["bias"]
+  return h, np.maximum(h, 0) @ pb["kernel"] + pb["bias"]
+
+
+def check_step(train, state, pa, pb, names):
+  """One recording step's figures against the same model computed by hand."""
+  state, metrics = train.step(state, X)
+  assert bool(metrics["numerics_recorded"])
+  got = metrics["numerics"]
+  a, b = names
+  h, y = forward(pa, pb, X)
+  # The cotangents arriving at each output (loss: the mean of y**2), the gradients.
+  dy = (2 * y / y.size).astype(np.float32)
+  dh = (dy @ pb["kernel"].T) * (h > 0)
+  ga = {"kernel": X.T @ dh, "bias": dh.sum(0)}
+  gb = {"kernel": np.maximum(h, 0).T @ dy, "bias": dy.sum(0)}
+  f32 = np.float32
+  assert_stats(got[a]["activation"], h, f32, "a activation")
+  assert_stats(got[b]["activation"], y, f32, "b activation")
+  assert_stats(got[b]["cotangent"], dy, f32, "b cotangent")
+  assert_stats(got[a]["cotangent"], dh, f32, "a cotangent")
+  assert_stats(got[a]["grad"], [ga["bias"], ga["kernel"]], f32, "a grad")
+  assert_stats(got[b]["grad"], [gb["bias"], gb["kernel"]], f32, "b grad")
+  return state, metrics
+
+
+def params_for(seed):
+  pa = {"kernel": spread(seed, (4, 16)), "bias": spread(seed + 1, (16,), -3, 1)}
+  pb = {"kernel": spread(seed + 2, (16, 3), -3, 1), "bias": spread(seed + 3, (3,), -3, 1)}
+  return pa, pb
+
+
+def make(every=1, **kw):
+  return jaxamp.make_train_step(loss, optax.sgd(0.0), policy="float32",
+                                numerics=jaxamp.Numerics(every=every), **kw)
+
+
+def test_nnx_statistics_match_numpy():
+  from flax import nnx
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.a = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+      self.b = nnx.Linear(16, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.b(jax.nn.relu(self.a(x)))
+
+  pa, pb = params_for(10)
+  m = M()
+  for layer, p in ((m.a, pa), (m.b, pb)):
+    layer.kernel[...], layer.bias[...] = p["kernel"], p["bias"]
+  train = make(every=2)  # steps 0 and 2 record (SGD at rate 0: the same values)
+  state, metrics = check_step(train, train.init(m), pa, pb, ("a", "b"))
+  assert set(metrics["numerics"]) == {"", "a", "b"}  # '' is the model's own call
+  state, metrics = train.step(state, X)
+  assert not bool(metrics["numerics_recorded"])
+  assert np.isnan([float(v) for v in jax.tree.leaves(metrics["numerics"])]).all()
+  check_step(train, state, pa, pb, ("a", "b"))
+
+
+@pytest.mark.slow
+def test_linen_statistics_match_numpy():
+  import flax.linen as nn
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="b")(jax.nn.relu(nn.Dense(16, name="a")(x)))
+
+  pa, pb = params_for(20)
+  train = make()
+  state = train.init(M(), {"params": {"a": pa, "b": pb}}, X)
+  check_step(train, state, pa, pb, ("a", "b"))
+
+
+@pytest.mark.slow
+def test_equinox_statistics_match_numpy():
+  eqx = pytest.importorskip("equinox")
+
+  class M(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+      return jax.vmap(lambda r: self.b(jax.nn.relu(self.a(r))))(x)
+
+  pa, pb = params_for(30)
+  m = M(eqx.nn.Linear(4, 16, key=jax.random.key(0)), eqx.nn.Linear(16, 3, key=jax.random.key(1)))
+  # Equinox keeps the weight as (out, in).
+  m = eqx.tree_at(lambda m: (m.a.weight, m.a.bias, m.b.weight, m.b.bias), m,
+                  (pa["kernel"].T, pa["bias"], pb["kernel"].T, pb["bias"]))
+  train = make()
+  check_step(train, train.init(m), pa, pb, ("a", "b"))
+
+
+@pytest.mark.slow
+def test_compute_dtype_columns_follow_the_policy():
+  """Under mixed_float16 the headline figures are float16's; the activation is the
+  float16 output, which the eager float16 layer reproduces."""
+  from flax import nnx
+
+  layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  layer.kernel[...] = spread(4, (4, 3), -6, 3)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.0), policy="mixed_float16",
+                                 numerics=jaxamp.Numerics(every=1))
+  state = train.init(layer)
+  _, metrics = train.step(state, X)
+  got = metrics["numerics"][""]
+  h = X.astype(jnp.float16) @ layer.kernel[...].astype(jnp.float16) + layer.bias[...].astype(
+      jnp.float16)
+  assert_stats(got["activation"], h, np.float16, "activation")
+  for kind in ("activation", "cotangent", "grad"):
+    assert float(got[kind]["underflow"]) == float(got[kind]["underflow_float16"])
+    assert float(got[kind]["overflow"]) == float(got[kind]["overflow_float16"])
+
+
+@pytest.mark.slow
+def test_every_n_schedule_and_nan_between():
+  from flax import nnx
+
+  n = 2
+  train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16",
+                                 numerics=jaxamp.Numerics(every=n))
+  state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+  recorded = []
+  for _ in range(2 * n + 1):
+    state, metrics = train.step(state, X)
+    recorded.append(bool(metrics["numerics_recorded"]))
+    values = np.array([float(v) for v in jax.tree.leaves(metrics["numerics"])])
+    assert np.isnan(values).all() != recorded[-1]
+  assert recorded == [i % n == 0 for i in range(2 * n + 1)]
+
+
+@pytest.mark.slow
+def test_program_without_numerics_is_unchanged():
+  from flax import nnx
+
+  texts = []
+  for kw in ({}, {"numerics": None}):
+    train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16", **kw)
+    state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    texts.append(train.lower(state, X).as_text())
+  assert texts[0] == texts[1]
+  train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16",
+                                 numerics=jaxamp.Numerics(every=2))
+  state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+  assert train.lower(state, X).as_text() != texts[0]
+
+
+@pytest.mark.slow
+def test_grad_accumulation_combines_micro_batches():
+  from flax import nnx
+
+  layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  one = make()
+  two = make(grad_accum_steps=2)
+  _, m1 = one.step(one.init(layer), X)
+  _, m2 = two.step(two.init(layer), X)
+  act1, act2 = m1["numerics"][""]["activation"], m2["numerics"][""]["activation"]
+  for k in STATS:  # the activations are the same values, seen in two halves
+    np.testing.assert_allclose(float(act2[k]), float(act1[k]), rtol=1e-6, err_msg=k)
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match="Numerics.every must be a positive int"):
+    jaxamp.Numerics(every=-1)
+  with pytest.raises(ValueError, match="DebugConfig.numerics must be a jaxamp.Numerics"):
+    jaxamp.DebugConfig(numerics=5)
+  with pytest.raises(ValueError, match="numerics=.* and debug= setting numerics=.*give it once"):
+    jaxamp.make_train_step(loss, optax.sgd(0.1), numerics=jaxamp.Numerics(),
+                           debug=jaxamp.DebugConfig(numerics=jaxamp.Numerics()))
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, optax, jaxamp
+    from flax import nnx
+    assert jax.device_count() == 8
+    x = jnp.asarray(np.random.RandomState(0).standard_normal((16, 4)) * 1e-3, jnp.float32)
+    x = x.at[3, 1].set(200.0)  # one device's rows hold the amax
+    loss = lambda m, b: jnp.mean(m(b) ** 2)
+    out = {}
+    for name, mesh in (("one", None), ("eight", jax.make_mesh((8,), ("data",)))):
+      for sharding in ([None] if mesh is None else [jaxamp.fsdp("data"), None]):
+        cfg = None if mesh is None else jaxamp.ShardingConfig(mesh=mesh, param_sharding=sharding)
+        train = jaxamp.make_train_step(loss, optax.sgd(0.0), policy="mixed_float16",
+                                       sharding=cfg, numerics=jaxamp.Numerics(every=1))
+        state = train.init(nnx.Linear(4, 64, rngs=nnx.Rngs(0)))
+        _, m = train.step(state, x)
+        out[name, sharding is None] = jax.tree.map(float, m["numerics"])
+    ref = out["one", True]
+    for key, got in out.items():
+      for kind in ("activation", "cotangent", "grad"):
+        for stat, v in ref[""][kind].items():
+          np.testing.assert_allclose(got[""][kind][stat], v, rtol=1e-5, err_msg=str((key, kind, stat)))
+    assert ref[""]["activation"]["count"] == 16 * 64
+    print("ok")
+""")
+
+
+@pytest.mark.slow
+def test_mesh_gives_global_figures(tmp_path):
+  out = run_script(MESH_SCRIPT, tmp_path, "mesh_numerics.py",
+                   {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT})
+  assert "ok" in out

@@ -1,0 +1,161 @@
+"""jaxamp.NumericsLog and jaxamp.suggest_policy: the host side of the numerics monitor."""
+
+import csv
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp import numerics
+
+
+def record(**per_module):
+  """``metrics['numerics']`` for per-module ``{kind: {stat: value}}`` (others 0)."""
+  out = {}
+  for path, kinds in per_module.items():
+    out[path] = {}
+    for kind in ("activation", "cotangent", "grad"):
+      stats = {k: 0.0 for k in numerics.STATS}
+      stats.update(amax=1.0, count=10.0)
+      stats.update(kinds.get(kind, {}))
+      out[path][kind] = {k: jnp.float32(v) for k, v in stats.items()}
+  return out
+
+
+def metrics(numerics_record, recorded=True, scale=2.0 ** 15, finite=True):
+  return {"numerics": numerics_record, "numerics_recorded": jnp.bool_(recorded),
+          "loss_scale": jnp.float32(scale), "grads_finite": jnp.bool_(finite), "loss": 1.0}
+
+
+def sample_log():
+  log = jaxamp.NumericsLog()
+  log.add(0, metrics(record(
+      ok={}, hot={"activation": {"amax": 7e4, "overflow": 0.25, "overflow_float16": 0.25}},
+      cold={"grad": {"underflow": 0.5, "underflow_float16": 0.5,
+                                  "underflow_float16_ls": 0.5, "amax": 1e-10}})))
+  nan = jax.tree.map(lambda x: x * np.nan, record(ok={}, hot={}, cold={}))
+  log.add(1, metrics(nan, recorded=False, scale=2.0 ** 14, finite=False))
+  log.add(2, metrics(record(ok={}, hot={"activation": {"overflow": 0.5, "nonfinite": 3.0}},
+                            cold={}, outlier={"activation": {"underflow_e4m3": 0.2}})))
+  return log
+
+
+def test_log_keeps_recorded_steps_and_every_loss_scale():
+  log = sample_log()
+  assert sorted(log.records) == [0, 2]
+  assert log.loss_scale == [(0, 2.0 ** 15, False), (1, 2.0 ** 14, True), (2, 2.0 ** 15, False)]
+  worst = log.worst()
+  assert worst["hot"]["activation"]["overflow"] == 0.5  # the worst step's
+  assert worst["hot"]["activation"]["amax"] == pytest.approx(7e4)
+  assert worst["hot"]["activation"]["nonfinite"] == 3.0
+  assert [r[0] for r in log.risk()][:2] == ["hot", "cold"]
+
+
+def test_table_ranks_riskiest_first():
+  lines = sample_log().table().splitlines()
+  assert lines[0].split()[:2] == ["module", "kind"]
+  assert lines[1].split()[:2] == ["hot", "activation"]
+  assert lines[4].split()[:2] == ["cold", "activation"]
+  assert "50.00%" in lines[1]
+
+
+def test_to_csv_has_a_row_per_step_module_and_kind(tmp_path):
+  path = tmp_path / "n.csv"
+  sample_log().to_csv(str(path))
+  rows = list(csv.DictReader(open(path)))
+  assert len(rows) == (3 + 4) * 3
+  hot = [r for r in rows if r["step"] == "2" and r["module"] == "hot" and r["kind"] == "activation"]
+  assert float(hot[0]["overflow"]) == 0.5 and float(hot[0]["nonfinite"]) == 3.0
+
+
+def test_add_refuses_metrics_without_numerics():
+  with pytest.raises(ValueError, match="numerics=jaxamp.Numerics"):
+    jaxamp.NumericsLog().add(0, {"loss": 1.0})
+
+
+def test_suggest_policy_names_the_modules_and_why():
+  log = sample_log()
+  s = jaxamp.suggest_policy(log, "mixed_float16")
+  assert s.rules == {"hot": "float32", "cold": "float32"}
+  assert "float16's largest finite" in s.reasons["hot"]
+  assert "smallest normal" in s.reasons["cold"]
+  s = jaxamp.suggest_policy(log, "mixed_bfloat16")  # bfloat16 columns: all zero
+  assert s.rules == {}
+  s = jaxamp.suggest_policy(log, "mixed_fp8", safer="mixed_bfloat16")
+  assert s.rules == {"outlier": "mixed_bfloat16"} and "E4M3" in s.reasons["outlier"]
+  assert jaxamp.suggest_policy(log, "float32").rules == {}
+  with jaxamp.policy_rules(jaxamp.suggest_policy(log, "mixed_float16").rules):
+    from flax import nnx
+    assert jaxamp.resolve_policy(nnx.Linear, "hot", jaxamp.get_policy("mixed_float16")).name \
+        == "float32"
+
+
+def test_suggest_policy_refuses_bad_input():
+  with pytest.raises(ValueError, match="recorded steps"):
+    jaxamp.suggest_policy(jaxamp.NumericsLog(), "mixed_float16")
+  with pytest.raises(ValueError, match="kinds must be among"):
+    jaxamp.suggest_policy(sample_log(), "mixed_float16", kinds=("weights",))
+  with pytest.raises(ValueError):
+    jaxamp.suggest_policy(sample_log(), "mixed_float17")
+
+
+@pytest.mark.slow
+def test_plot_writes_an_image(tmp_path):
+  pytest.importorskip("matplotlib")
+  path = tmp_path / "n.png"
+  sample_log().plot(str(path))
+  assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def needy_model():
+  """An NNX model built to need a per-module plan under float16: ``big``'s activations
+  exceed float16's range; ``tiny``'s gradients sit far below its normal range (its
+  output enters the loss times 1e-9: below float16's smallest normal even after a loss
+  scale of 2**15)."""
+  from flax import nnx
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.big = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+      self.mid = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+      self.out = nnx.Linear(16, 1, rngs=nnx.Rngs(2))
+      self.tiny = nnx.Linear(16, 1, rngs=nnx.Rngs(3))
+      self.big.kernel[...] = self.big.kernel[...] * 1e6
+
+    def __call__(self, x):
+      h = jnp.tanh(self.mid(self.big(x) * 1e-6))
+      return self.out(h) + 1e-9 * self.tiny(h)
+
+  return M()
+
+
+@pytest.mark.slow
+def test_suggested_plan_names_exactly_the_needy_layers_and_trains():
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)
+  y = jnp.sin(x[:, :1])
+  loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)
+
+  def run(policy, rules=None, steps=30, log=None):
+    with jaxamp.policy_rules(rules or {}):
+      train = jaxamp.make_train_step(loss, optax.adam(1e-3), policy=policy,
+                                     numerics=jaxamp.Numerics(every=10) if log is not None
+                                     else None)
+      state = train.init(needy_model())
+      for i in range(steps):
+        state, m = train.step(state, (x, y))
+        if log is not None:
+          log.add(i, m)
+    return float(m["loss"]), int(m["skipped_steps"])
+
+  log = jaxamp.NumericsLog()
+  f32, _ = run("float32", log=log)
+  plan = jaxamp.suggest_policy(log, "mixed_float16")
+  assert set(plan.rules) == {"big", "tiny"}, plan.reasons
+  uniform, skipped = run("mixed_float16")
+  planned, _ = run("mixed_float16", plan.rules)
+  assert skipped == 30  # big's activations overflow on every step: it never moves
+  assert abs(planned - f32) <= 0.01 * f32
