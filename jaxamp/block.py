@@ -218,10 +218,6 @@ def _tiled_dot(a: jax.Array, b: jax.Array, a_block: tuple[int, int],
   return jnp.sum(part, axis=nb)
 
 
-def _amax(x):
-  return jnp.max(jnp.abs(x)).astype(_F32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _block_matmul(a, b, amaxes, recipe):
   del amaxes
@@ -247,7 +243,7 @@ def _block_matmul_bwd(recipe, residuals, g):
   g = g.astype(a.dtype)
   da = _tiled_dot(g, jnp.swapaxes(b, -1, -2), *_blocks(recipe, "dgrad"), p2)
   db = _tiled_dot(jnp.swapaxes(a, -1, -2), g, *_blocks(recipe, "wgrad"), p2)
-  amaxes = jnp.stack([_amax(a), _amax(b), _amax(g)])
+  amaxes = jnp.stack([scaled.amax(a), scaled.amax(b), scaled.amax(g)])
   return da.astype(a.dtype), db.astype(b.dtype), amaxes
 
 

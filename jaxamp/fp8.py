@@ -120,10 +120,6 @@ def update_scales(meta: Fp8Meta, recipe: Fp8Recipe) -> Fp8Meta:
   return Fp8Meta(history, jnp.where(ok, fresh, meta.scale))
 
 
-def _amax(x: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(x)).astype(_F32)
-
-
 def _current_scale(amax: jax.Array, fp8_max: float, margin: int) -> jax.Array:
   fresh = fp8_max / amax / (2.0 ** margin)
   return jnp.where(jnp.logical_and(amax > 0, jnp.isfinite(amax)), fresh, 1.0).astype(_F32)
@@ -141,19 +137,13 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   return jnp.clip(x.astype(_F32) * scale, -fp8_max, fp8_max).astype(dtype)
 
 
-def _dims(dimension_numbers: Any) -> tuple[Any, ...]:
-  (lc, rc), (lb, rb) = dimension_numbers
-  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
-          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_dot(lhs, rhs, history, scale, dims, delayed, margin):
   return _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin)[0]
 
 
 def _fp8_dot_fwd(lhs, rhs, history, scale, dims, delayed, margin):
-  a_lhs, a_rhs = _amax(lhs), _amax(rhs)
+  a_lhs, a_rhs = scaled.amax(lhs), scaled.amax(rhs)
   if delayed:
     s_lhs, s_rhs = scale[INPUT], scale[KERNEL]
   else:
@@ -179,7 +169,7 @@ def _fp8_dot_bwd(dims, delayed, margin, residuals, g):
       dot_general_transpose_lhs, dot_general_transpose_rhs)
 
   q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs, lhs_like, rhs_like = residuals
-  a_g = _amax(g)
+  a_g = scaled.amax(g)
   s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
   q_g = quantize(g, E5M2, s_g)
   d_lhs = dot_general_transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers=dims,
@@ -241,7 +231,7 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     meta = init_meta(CurrentScaling())
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
   out = _fp8_dot(lhs, rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs,
-                 meta.amax_history, meta.scale, _dims(dimension_numbers), delayed,
+                 meta.amax_history, meta.scale, scaled.dims(dimension_numbers), delayed,
                  recipe.margin)
   return out.astype(dtype)
 
@@ -259,7 +249,7 @@ def _fp8_conv(lhs, rhs, history, scale, params, delayed, margin):
 
 def _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin):
   # As _fp8_dot_fwd: E4M3 operands straight into the convolution, float32 accumulation.
-  a_lhs, a_rhs = _amax(lhs), _amax(rhs)
+  a_lhs, a_rhs = scaled.amax(lhs), scaled.amax(rhs)
   if delayed:
     s_lhs, s_rhs = scale[INPUT], scale[KERNEL]
   else:
@@ -276,7 +266,7 @@ def _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin):
 
 def _fp8_conv_bwd(params, delayed, margin, residuals, g):
   q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs, lhs_like, rhs_like = residuals
-  a_g = _amax(g)
+  a_g = scaled.amax(g)
   s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
   q_g = quantize(g, E5M2, s_g)
   # lax's own transposes of the convolution (strides, dilation, padding and groups
@@ -406,7 +396,7 @@ class PerTensorFp8(scaled.ScaledFormat):
     batch = tuple(range(a.ndim - 2))
     dims = (((a.ndim - 1,), (a.ndim - 2,)), (batch, batch))
     types = {"fwd": (E4M3, E4M3), "dgrad": (E5M2, E4M3), "wgrad": (E4M3, E5M2)}[role]
-    amaxes = (_amax(a), _amax(b))
+    amaxes = (scaled.amax(a), scaled.amax(b))
     sa, sb = (_current_scale(m, dtypes.format_of(t).max, recipe.margin)
               for m, t in zip(amaxes, types))
     out = lax.dot_general(quantize(a, types[0], sa), quantize(b, types[1], sb), dims,

@@ -74,7 +74,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxamp import dtypes, scaled
@@ -271,30 +270,6 @@ def _mx_dot(a, b, dims, scale_rule, cudnn):
   return out.reshape([a.shape[i] for i in ab] + free(a, ac, ab) + free(b, bc, bb))
 
 
-def _ranges_like(*xs):
-  start = 0
-  for x in xs:
-    yield tuple(range(start, start + len(x)))
-    start += len(x)
-
-
-def _transpose_lhs(g, x_ndim, y, dims, dot, swap_ans=False):
-  """The cotangent of ``dot_general``'s lhs as ``lax``'s transpose rule builds it, with
-  ``dot(g, y, dims)`` the matmul it runs: the blocks then run along that matmul's own
-  contraction."""
-  (x_contract, y_contract), (x_batch, y_batch) = dims
-  x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
-  y_kept = tuple(i for i in range(y.ndim) if i not in y_contract and i not in y_batch)
-  if swap_ans:
-    ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
-  else:
-    ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
-  g_dims = ((ans_y, y_kept), (ans_batch, tuple(y_batch)))
-  x_contract_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-  out_axes = np.argsort(list(x_batch) + x_kept + x_contract_by_y)
-  return jnp.transpose(dot(g, y, g_dims), tuple(int(i) for i in out_axes))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _mxfp8_dot(lhs, rhs, amaxes, dims, scale_rule, cudnn):
   del amaxes
@@ -305,27 +280,18 @@ def _mxfp8_dot_fwd(lhs, rhs, amaxes, dims, scale_rule, cudnn):
   return _mxfp8_dot(lhs, rhs, amaxes, dims, scale_rule, cudnn), (lhs, rhs)
 
 
-def _amax(x):
-  return jnp.max(jnp.abs(x)).astype(_F32)
-
-
 def _mxfp8_dot_bwd(dims, scale_rule, cudnn, residuals, g):
   lhs, rhs = residuals
   (lc, rc), (lb, rb) = dims
   dot = lambda a, b, d: _mx_dot(a, b, d, scale_rule, cudnn)
-  d_lhs = _transpose_lhs(g, lhs.ndim, rhs, dims, dot)
-  d_rhs = _transpose_lhs(g, rhs.ndim, lhs, ((rc, lc), (rb, lb)), dot, swap_ans=True)
-  amaxes = jnp.stack([_amax(lhs), _amax(rhs), _amax(g)])
+  d_lhs = scaled.transpose_lhs(g, lhs.ndim, rhs.ndim, dims, lambda g_, d: dot(g_, rhs, d))
+  d_rhs = scaled.transpose_lhs(g, rhs.ndim, lhs.ndim, ((rc, lc), (rb, lb)),
+                               lambda g_, d: dot(g_, lhs, d), swap_ans=True)
+  amaxes = jnp.stack([scaled.amax(lhs), scaled.amax(rhs), scaled.amax(g)])
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), amaxes
 
 
 _mxfp8_dot.defvjp(_mxfp8_dot_fwd, _mxfp8_dot_bwd)
-
-
-def _dims(dimension_numbers: Any) -> tuple[Any, ...]:
-  (lc, rc), (lb, rb) = dimension_numbers
-  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
-          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
 
 
 def mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -360,7 +326,7 @@ def mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
   rhs = rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs
-  out = _mxfp8_dot(lhs, rhs, state, _dims(dimension_numbers), recipe.scale_rule,
+  out = _mxfp8_dot(lhs, rhs, state, scaled.dims(dimension_numbers), recipe.scale_rule,
                    recipe.cudnn)
   return out.astype(dtype)
 

@@ -78,10 +78,6 @@ def _product(recipe: Any, role: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return scaled.format_of(recipe).product(role, a, b, recipe)
 
 
-def _amax(x):
-  return jnp.max(jnp.abs(x)).astype(_F32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _per_matmul(a, b, amaxes, recipe):
   del amaxes
@@ -97,7 +93,7 @@ def _per_matmul_bwd(recipe, residuals, g):
   g = g.astype(a.dtype)
   da = _product(recipe.dgrad, "dgrad", g, jnp.swapaxes(b, -1, -2))
   db = _product(recipe.wgrad, "wgrad", jnp.swapaxes(a, -1, -2), g)
-  amaxes = jnp.stack([_amax(a), _amax(b), _amax(g)])
+  amaxes = jnp.stack([scaled.amax(a), scaled.amax(b), scaled.amax(g)])
   return da.astype(a.dtype), db.astype(b.dtype), amaxes
 
 

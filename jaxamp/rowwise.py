@@ -65,7 +65,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxamp import dtypes, scaled
@@ -180,29 +179,6 @@ def _scaled_dot(a, b, dims, a_dtype, b_dtype, power_of_two):
                                                                      n_a_free)
 
 
-def _ranges_like(*xs):
-  start = 0
-  for x in xs:
-    yield tuple(range(start, start + len(x)))
-    start += len(x)
-
-
-def _transpose_lhs(g, x_ndim, y_ndim, dims, dot, swap_ans=False):
-  """The cotangent of ``dot_general``'s lhs, as ``lax``'s transpose rule builds it, with
-  ``dot(g, y, dims)`` the matmul it runs (y bound by the caller)."""
-  (x_contract, y_contract), (x_batch, y_batch) = dims
-  x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
-  y_kept = tuple(i for i in range(y_ndim) if i not in y_contract and i not in y_batch)
-  if swap_ans:
-    ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
-  else:
-    ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
-  g_dims = ((ans_y, y_kept), (ans_batch, tuple(y_batch)))
-  x_contract_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-  out_axes = np.argsort(list(x_batch) + x_kept + x_contract_by_y)
-  return jnp.transpose(dot(g, g_dims), tuple(int(i) for i in out_axes))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _rowwise_dot(lhs, rhs, amaxes, dims, power_of_two, wgrad_hp):
   del amaxes
@@ -214,16 +190,12 @@ def _rowwise_dot_fwd(lhs, rhs, amaxes, dims, power_of_two, wgrad_hp):
   return out, (lhs, rhs)
 
 
-def _amax(x):
-  return jnp.max(jnp.abs(x)).astype(_F32)
-
-
 def _rowwise_dot_bwd(dims, power_of_two, wgrad_hp, residuals, g):
   lhs, rhs = residuals
   (lc, rc), (lb, rb) = dims
   # Input gradient: g (E5M2) and the kernel (E4M3), each scaled along this matmul's
   # contraction (the kernel's free dimensions).
-  d_lhs = _transpose_lhs(
+  d_lhs = scaled.transpose_lhs(
       g, lhs.ndim, rhs.ndim, dims,
       lambda g_, d: _scaled_dot(g_, rhs, d, E5M2, E4M3, power_of_two))
   # Weight gradient: the same with the operands' roles swapped (lax's rule).
@@ -233,18 +205,12 @@ def _rowwise_dot_bwd(dims, power_of_two, wgrad_hp, residuals, g):
                                          preferred_element_type=_F32)
   else:
     wdot = lambda g_, d: _scaled_dot(g_, lhs, d, E5M2, E4M3, power_of_two)
-  d_rhs = _transpose_lhs(g, rhs.ndim, lhs.ndim, swapped, wdot, swap_ans=True)
-  amaxes = jnp.stack([_amax(lhs), _amax(rhs), _amax(g)])
+  d_rhs = scaled.transpose_lhs(g, rhs.ndim, lhs.ndim, swapped, wdot, swap_ans=True)
+  amaxes = jnp.stack([scaled.amax(lhs), scaled.amax(rhs), scaled.amax(g)])
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), amaxes
 
 
 _rowwise_dot.defvjp(_rowwise_dot_fwd, _rowwise_dot_bwd)
-
-
-def _dims(dimension_numbers: Any) -> tuple[Any, ...]:
-  (lc, rc), (lb, rb) = dimension_numbers
-  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
-          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
 
 
 def rowwise_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -272,7 +238,7 @@ def rowwise_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
   rhs = rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs
-  out = _rowwise_dot(lhs, rhs, state, _dims(dimension_numbers), recipe.power_of_two,
+  out = _rowwise_dot(lhs, rhs, state, scaled.dims(dimension_numbers), recipe.power_of_two,
                      recipe.wgrad_high_precision)
   return out.astype(dtype)
 

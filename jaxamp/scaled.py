@@ -65,7 +65,10 @@ __all__ = [
     "ScaledFormat",
     "describe",
     "described_in",
+    "amax",
     "conv_for",
+    "dims",
+    "transpose_lhs",
     "format_of",
     "is_recipe",
     "matmul_layout",
@@ -447,6 +450,59 @@ def matmul_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
   a = jax.numpy.transpose(lhs, (*lb, *lfree, *lc)).reshape(*batch, math.prod(m_shape), k)
   b = jax.numpy.transpose(rhs, (*rb, *rc, *rfree)).reshape(*batch, k, math.prod(n_shape))
   return a, b, lambda out: out.reshape(*batch, *m_shape, *n_shape)
+
+
+def dims(dimension_numbers: Any) -> tuple[Any, ...]:
+  """``dot_general``'s dimension numbers as tuples of ints (hashable: a custom_vjp's
+  static argument)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """``max |x|`` as a float32 scalar: what a format's state records of an operand."""
+  return jax.numpy.max(jax.numpy.abs(x)).astype(jax.numpy.float32)
+
+
+def _ranges_like(*xs):
+  start = 0
+  for x in xs:
+    yield tuple(range(start, start + len(x)))
+    start += len(x)
+
+
+def transpose_lhs(g: jax.Array, x_ndim: int, y_ndim: int, dimension_numbers: Any,
+                  dot: Callable[[jax.Array, Any], jax.Array],
+                  swap_ans: bool = False) -> jax.Array:
+  """The cotangent of ``dot_general(x, y, dimension_numbers)``'s ``x`` from the output's
+  cotangent ``g``, as ``lax``'s transpose rule builds it, with ``dot(g, g_dims)`` the
+  matmul it runs (``y`` bound by the caller): a format quantizes that matmul's operands
+  along its own contraction. ``swap_ans``: ``x`` is the rhs (the output's dimensions are
+  ``y``'s free ones first), for the rhs's cotangent with the dimension numbers swapped.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> from jaxamp import scaled
+    >>> x, y, g = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.ones((2, 4))
+    >>> scaled.transpose_lhs(g, 2, 2, (((1,), (0,)), ((), ())),
+    ...                      lambda g, d: lax.dot_general(g, y, d)).shape
+    (2, 3)
+  """
+  (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+  x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
+  y_kept = tuple(i for i in range(y_ndim) if i not in y_contract and i not in y_batch)
+  if swap_ans:
+    ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+  else:
+    ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+  g_dims = ((ans_y, y_kept), (ans_batch, tuple(y_batch)))
+  x_contract_by_y = [x_contract[i] for i in sorted(range(len(y_contract)),
+                                                   key=lambda i: y_contract[i])]
+  order = list(x_batch) + x_kept + x_contract_by_y
+  out_axes = sorted(range(len(order)), key=lambda i: order[i])
+  return jax.numpy.transpose(dot(g, g_dims), tuple(out_axes))
 
 
 def runs_conv(recipe: Any) -> bool:
