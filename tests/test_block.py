@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optax
 import pytest
 from flax import nnx
-import flax.linen as nn
 
 import jaxamp
+import train_helpers
 from jaxamp import block
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -230,27 +229,6 @@ def test_other_block_shapes_chunk_at_their_common_divisor():
   _close(y, _ref_dot(x, w, (1, 64), (128, 32)), x, w)
 
 
-def _train(model_kind, policy, xs, features=200):
-  rng = np.random.RandomState(4)
-  c = rng.randn(8, 4).astype(np.float32)
-  loss = lambda m, b: jnp.mean((m(b["x"]).astype(jnp.float32) - c) ** 2)
-  train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy=policy)
-  if model_kind == "nnx":
-    state = train.init(nnx.Linear(features, 4, rngs=nnx.Rngs(0)))
-  else:
-    dense = nn.Dense(4)
-    variables = dense.init(jax.random.key(0), jnp.asarray(xs[0]))
-    state = train.init(dense, variables, jnp.asarray(xs[0]))
-  first = jax.tree.map(np.asarray, state.params)
-  out = []
-  for x in xs:
-    state, metrics = train.step(state, {"x": jnp.asarray(x)})
-    # The step donates its input state: keep copies.
-    out.append((metrics, jax.tree.map(np.asarray, state.params),
-                jax.tree.map(np.asarray, state.scaled)))
-  return first, out
-
-
 @pytest.mark.parametrize("model_kind, against_bf16", [
     pytest.param("nnx", False, marks=pytest.mark.slow),
     pytest.param("nnx", True, marks=pytest.mark.slow),
@@ -258,30 +236,8 @@ def _train(model_kind, policy, xs, features=200):
 ])
 def test_an_nnx_linear_and_a_linen_dense_train_and_skip_exactly(model_kind, against_bf16):
   """200 input features: a padded contraction (two tiles, the second 72 wide)."""
-  rng = np.random.RandomState(5)
-  xs = [rng.randn(8, 200).astype(np.float32) for _ in range(2)]
-  bad = xs[1].copy()
-  bad[3, 2] = np.nan
-  first, fp8 = _train(model_kind, "mixed_fp8_block", xs + [bad])
-  for m, _, _ in fp8[:2]:
-    assert np.isfinite(float(m["loss"])) and bool(m["grads_finite"])
-  if against_bf16:
-    _, bf16 = _train(model_kind, "mixed_bfloat16", xs)
-    for (m, params, _), (m16, params16, _) in zip(fp8[:2], bf16):
-      # E4M3 keeps 3 mantissa bits (a relative error up to 2**-4 per operand) against
-      # bfloat16's 8: 5 % on the loss, on each parameter 5 % or 5e-3.
-      np.testing.assert_allclose(float(m["loss"]), float(m16["loss"]), rtol=0.05)
-      for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params16)):
-        np.testing.assert_allclose(a, b, rtol=0.05, atol=5e-3)
-  assert all(not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(fp8[1][1]), jax.tree.leaves(first)))
-  (state_amax,) = fp8[1][2].values()  # the last pass's amaxes, for inspection
-  assert float(state_amax[0]) == float(np.abs(xs[1].astype(ml_dtypes.bfloat16)).max())
-  m, params, scaled_state = fp8[2]  # the NaN batch: skipped, everything bit-identical
-  assert not bool(m["grads_finite"]) and int(m["skipped_steps"]) == 1
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fp8[1][1])):
-    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-  np.testing.assert_array_equal(scaled_state[""], state_amax)
+  train_helpers.check_scaled_recipe_trains_and_skips(
+      "mixed_fp8_block", model_kind, against_bf16, features=200, seed=5)
 
 
 def test_precision_report_and_summary_name_each_matmuls_format():

@@ -22,9 +22,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-import flax.linen as nn
 
 import jaxamp
+import train_helpers
 from jaxamp import mxfp8
 
 E4M3, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
@@ -274,56 +274,13 @@ def test_policy_names_recipe_checks_and_describe():
       "mxfp8 e4m3fn, 1x32 blocks, e8m0 scales (ocp)")
 
 
-def _train(model_kind, policy, xs):
-  rng = np.random.RandomState(5)
-  c = rng.randn(8, 4).astype(np.float32)
-  loss = lambda m, b: jnp.mean((m(b["x"]).astype(jnp.float32) - c) ** 2)
-  train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy=policy)
-  if model_kind == "nnx":
-    state = train.init(nnx.Linear(40, 4, rngs=nnx.Rngs(0)))
-  else:
-    dense = nn.Dense(4)
-    variables = dense.init(jax.random.key(0), jnp.asarray(xs[0]))
-    state = train.init(dense, variables, jnp.asarray(xs[0]))
-  first = jax.tree.map(np.asarray, state.params)
-  out = []
-  for x in xs:
-    state, metrics = train.step(state, {"x": jnp.asarray(x)})
-    # The step donates its input state: keep copies.
-    out.append((metrics, jax.tree.map(np.asarray, state.params),
-                jax.tree.map(np.asarray, state.scaled)))
-  return first, out
-
-
 @pytest.mark.parametrize("model_kind, against_bf16", [
     pytest.param("nnx", True, marks=pytest.mark.slow),
     pytest.param("linen", True, marks=pytest.mark.slow),
 ])
 def test_an_nnx_linear_and_a_linen_dense_train_and_skip_exactly(model_kind, against_bf16):
-  rng = np.random.RandomState(6)
-  xs = [rng.randn(8, 40).astype(np.float32) for _ in range(2)]  # 40 features: padded
-  bad = xs[1].copy()
-  bad[3, 2] = np.nan
-  first, mx = _train(model_kind, "mixed_mxfp8", xs + [bad])
-  for m, _, _ in mx[:2]:
-    assert np.isfinite(float(m["loss"])) and bool(m["grads_finite"])
-  if against_bf16:
-    _, bf16 = _train(model_kind, "mixed_bfloat16", xs)
-    for (m, params, _), (m16, params16, _) in zip(mx[:2], bf16):
-      # Tolerance: E4M3 keeps 3 mantissa bits (a relative error up to 2**-4 per element)
-      # against bfloat16's 8: 5 % on the loss, on each parameter 5 % or 5e-3.
-      np.testing.assert_allclose(float(m["loss"]), float(m16["loss"]), rtol=0.05)
-      for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params16)):
-        np.testing.assert_allclose(a, b, rtol=0.05, atol=5e-3)
-  assert all(not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(mx[1][1]), jax.tree.leaves(first)))
-  (state_amax,) = mx[1][2].values()  # the last pass's amaxes, for inspection
-  assert float(state_amax[0]) == float(np.abs(xs[1].astype(ml_dtypes.bfloat16)).max())
-  m, params, scaled_state = mx[2]  # the NaN batch: skipped, everything bit-identical
-  assert not bool(m["grads_finite"]) and int(m["skipped_steps"]) == 1
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mx[1][1])):
-    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-  np.testing.assert_array_equal(scaled_state[""], state_amax)
+  train_helpers.check_scaled_recipe_trains_and_skips(
+      "mixed_mxfp8", model_kind, against_bf16, features=40, seed=6)
 
 
 @pytest.mark.slow
