@@ -201,6 +201,7 @@ import sys, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter('ignore')
 import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
 import jaxamp
 assert jax.device_count() == 4, jax.devices()
 rng = np.random.RandomState(0)
