@@ -153,6 +153,35 @@ def test_opt_state_dtype_updates_keep_the_stored_dtypes_and_advance_the_key():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("make", [lambda: optax.adamw(1e-2), lambda: optax.lion(1e-3),
+                                  lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4)],
+                         ids=["adamw", "lion", "adafactor"])
+def test_opt_state_dtype_is_the_float32_optimizer_with_its_state_rounded_each_step(make):
+  """AdamW's and Lion's moments and Adafactor's factored statistics are stored in
+  bfloat16 (counts stay int32), and each update equals the float32 optimizer's run on
+  the bfloat16 state widened, its new state rounded to nearest: a hand reference."""
+  params = {"w": jnp.linspace(-1, 1, 48).reshape(8, 6), "b": jnp.linspace(0, 1, 6)}
+  inner, tx = make(), jaxamp.opt_state_dtype(make(), BF16)
+  narrow = lambda t: jax.tree.map(
+      lambda x: x.astype(BF16) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x, t)
+  wide = lambda t: jax.tree.map(
+      lambda x: x.astype(jnp.float32) if x.dtype == BF16 else x, t)
+  ref, state = narrow(inner.init(params)), tx.init(params)
+  floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
+            and x.ndim]
+  assert floats and all(x.dtype == BF16 for x in floats)
+  assert all(x.dtype == jnp.int32 for x in jax.tree.leaves(state)
+             if jnp.issubdtype(x.dtype, jnp.integer))
+  for i in range(3):
+    g = jax.tree.map(lambda p: jnp.sin(p * (i + 2)), params)
+    want, ref = inner.update(g, wide(ref), params)
+    ref = narrow(ref)
+    got, state = tx.update(g, state, params)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    jax.tree.map(np.testing.assert_array_equal, state.inner_state, ref)
+
+
+@pytest.mark.slow
 def test_opt_state_dtype_float32_is_the_inner_transformation_bit_for_bit():
   params = {"w": jnp.linspace(-1, 1, 12).reshape(4, 3)}
   inner = optax.adamw(1e-2)
