@@ -278,3 +278,55 @@ def test_mesh_gives_global_figures(tmp_path):
   out = run_script(MESH_SCRIPT, tmp_path, "mesh_numerics.py",
                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT})
   assert "ok" in out
+
+
+def test_step_picks_the_program_on_the_host_without_reading_the_device(monkeypatch):
+  """train.step runs the plain or the recording program as the schedule says, reading
+  the step counter from the device only for a state it did not return."""
+  import importlib
+
+  from flax import nnx
+
+  watch = importlib.import_module("jaxamp.train.watch")
+  reads = []
+  read = watch.read_step
+  monkeypatch.setattr(watch, "read_step", lambda s: reads.append(1) or read(s))
+  n = 2
+  train = make(every=n)
+  state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+  recorded = []
+  for _ in range(2 * n + 1):
+    state, metrics = train.step(state, X)
+    recorded.append(bool(metrics["numerics_recorded"]))
+    values = np.array([float(v) for v in jax.tree.leaves(metrics["numerics"])])
+    assert np.isnan(values).all() != recorded[-1]
+  assert recorded == [i % n == 0 for i in range(2 * n + 1)]
+  assert len(reads) == 1  # init's state, once; none in the loop
+  assert train.trace_count == 2  # the plain and the recording program, each once
+  # A resumed state at an odd step (not the one returned): one read, then the schedule.
+  state = state._replace(step=jnp.asarray(7, state.step.dtype))
+  recorded = []
+  for _ in range(3):
+    state, metrics = train.step(state, X)
+    recorded.append(bool(metrics["numerics_recorded"]))
+  assert recorded == [False, True, False] and int(state.step) == 10
+  assert len(reads) == 2
+
+
+def test_plain_program_is_the_program_without_numerics():
+  """The program train.step runs on the steps that do not record lowers to exactly
+  numerics=None's text (its NaN records are constants added on the host); train.lower
+  gives step_fn's one program, a lax.cond on the counter (more conds)."""
+  from flax import nnx
+
+  texts, cond = [], None
+  for numerics_ in (None, jaxamp.Numerics(every=100)):
+    train = jaxamp.make_train_step(loss, optax.sgd(1e-3), policy="mixed_bfloat16",
+                                   numerics=numerics_)
+    state = train.init(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    step = train._programs.step_jit
+    texts.append((step.plain if numerics_ else step).lower(state, X).as_text())
+    if numerics_:
+      cond = train.lower(state, X).as_text()
+  assert texts[0] == texts[1]
+  assert cond.count("stablehlo.case") > texts[0].count("stablehlo.case")

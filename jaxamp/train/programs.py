@@ -16,6 +16,12 @@ donated then); :meth:`Programs.run_step` then changes the plan and compiles agai
   reading it (:class:`~jaxamp.gather.RawSliceRead`: a Linen tied head reading
   ``self.variables``): the whole model gathered at the step's start. Under
   ``gather='layer'`` that is refused, naming the parameter.
+
+With the numerics monitor (``Numerics(every=N)``) :attr:`Programs.step_jit` is a
+:class:`Dispatch`: two compiled programs, the plain step (the program without the
+monitor; its constant NaN records are added on the host) and the recording one, picked
+per call on the host,
+so the N - 1 steps in N that do not record cost what a step without the monitor costs.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import jax
 from jaxamp import gather
 from jaxamp import sharding as sharding_lib
 from jaxamp.train import step as step_lib
+from jaxamp.train import watch as watch_lib
 from jaxamp.train.monitor import deferred_full_collections
 from jaxamp.train.plan import Options, Plan
 from jaxamp.train.state import TrainState
 
-__all__ = ["Programs"]
+__all__ = ["Dispatch", "Programs"]
 
 class Programs:
   """The jitted ``step`` and ``eval_step`` for ``plan`` (``plan`` changes when a
@@ -53,19 +60,32 @@ class Programs:
     self.step_jit: Any = None
     self.eval_jit: Any = None
     self.eval_per_layer = False  # whether eval_step gathers each parameter where read
+    self._schedule: watch_lib.Schedule | None = None
     self._compile()
 
   def _compile(self) -> None:
+    numerics = self.options.debug.numerics
+    if numerics is None:
+      self.step_jit = self._step_jit(self._step_impl)
+    else:
+      if self._schedule is None:  # kept when the step is made again
+        self._schedule = watch_lib.Schedule(numerics)
+      self.step_jit = Dispatch(
+          self._schedule, self._step_jit(self._step_impl),
+          self._step_jit(functools.partial(self._step_impl, record=False)),
+          self._step_jit(functools.partial(self._step_impl, record=True)))
+    self._compile_eval(self.plan.layer_gather)
+
+  def _step_jit(self, impl: Callable[..., Any]) -> Any:
+    """``impl`` (a step) jitted with the step's donation and shardings."""
     plan = self.plan
     donate = (0,) if self.options.memory.donate else ()
     if plan.mesh is None:
-      self.step_jit = self._jit(plan.layer_gather)(self._step_impl, donate_argnums=donate)
-    else:
-      state, data = self._in_shardings()
-      self.step_jit = self._jit(plan.layer_gather)(
-          self._step_impl, donate_argnums=donate, in_shardings=(state, data),
-          out_shardings=(state, plan.replicated()))
-    self._compile_eval(plan.layer_gather)
+      return self._jit(plan.layer_gather)(impl, donate_argnums=donate)
+    state, data = self._in_shardings()
+    return self._jit(plan.layer_gather)(
+        impl, donate_argnums=donate, in_shardings=(state, data),
+        out_shardings=(state, plan.replicated()))
 
   def _compile_eval(self, per_layer: bool) -> None:
     """The eval step's jit: gathering each sharded parameter where it is read
@@ -88,10 +108,10 @@ class Programs:
     return (plan.state_shardings if plan.sharded else plan.replicated(),
             plan.batch_sharding())
 
-  def _step_impl(self, state: TrainState, batch: Any):
+  def _step_impl(self, state: TrainState, batch: Any, record: bool | None = None):
     self._on_trace()  # runs only while tracing
     with deferred_full_collections:
-      return step_lib.step(self.plan, state, batch)
+      return step_lib.step(self.plan, state, batch, record)
 
   def run_step(self, run: Callable[[], Any]) -> Any:
     """``run()`` (which uses :attr:`step_jit`), and once more with the step made again
@@ -140,3 +160,46 @@ class Programs:
       raise e
     if sharding_lib.gather_of(self.options.sharding.param_sharding) == "layer":
       raise ValueError(str(e)) from None
+
+
+class Dispatch:
+  """The step with the numerics monitor: ``plain`` (the step without the monitor) or
+  ``recorded`` (jitted) picked per call by ``schedule`` on the host; ``cond`` (the
+  one-program ``lax.cond`` step of ``step_fn``) where the counter is traced (``step``
+  inside the user's ``jit``) and for ``trace`` / ``lower``.
+
+  ``plain``'s metrics gain the NaN records and ``numerics_recorded`` False, made once per
+  batch signature (the recording step's shapes, from its abstract evaluation) and shared
+  by every plain step: the program returns none of those constants.
+  """
+
+  def __init__(self, schedule: watch_lib.Schedule, cond: Any, plain: Any, recorded: Any):
+    self.schedule, self.cond, self.plain, self.recorded = schedule, cond, plain, recorded
+    self._constants: dict[Any, dict[str, Any]] = {}
+
+  def __call__(self, state: TrainState, batch: Any) -> Any:
+    if isinstance(state.step, jax.core.Tracer):
+      return self.cond(state, batch)
+    if self.schedule.records(state.step):
+      new_state, metrics = self.recorded(state, batch)
+    else:
+      extra = self._not_recorded(state, batch)  # before the state is donated
+      new_state, metrics = self.plain(state, batch)
+      metrics = {**metrics, **extra}
+    self.schedule.returned(new_state.step)
+    return new_state, metrics
+
+  def _not_recorded(self, state: TrainState, batch: Any) -> dict[str, Any]:
+    leaves, tree = jax.tree.flatten(batch)
+    key = (tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x)))
+                       for x in leaves))
+    if key not in self._constants:
+      shapes = self.recorded.eval_shape(state, batch)[1]["numerics"]
+      self._constants[key] = watch_lib.not_recorded(shapes)
+    return self._constants[key]
+
+  def trace(self, *args: Any) -> Any:
+    return self.cond.trace(*args)
+
+  def lower(self, *args: Any) -> Any:
+    return self.cond.lower(*args)

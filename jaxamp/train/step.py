@@ -39,15 +39,24 @@ __all__ = ["step", "eval_step"]
 P = jax.sharding.PartitionSpec
 
 
-def step(plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+def step(plan: Plan, state: TrainState, batch: Any, record: bool | None = None
+         ) -> tuple[TrainState, dict[str, Any]]:
   """One training step: the new state and the metrics (``loss``, ``loss_scale``,
   ``grads_finite``, ``grad_norm``, ``skipped_steps``, with the numerics monitor
-  ``numerics`` and ``numerics_recorded``, and the aux)."""
+  ``numerics`` and ``numerics_recorded``, and the aux).
+
+  With the monitor, ``record`` None chooses on the device (a ``lax.cond`` on the step
+  counter: :func:`watch.every`); True is the recording step alone; False the step
+  without the monitor, its metrics without ``numerics`` and ``numerics_recorded``
+  (``TrainStep.step`` chooses on the host and adds them: :func:`watch.not_recorded`)."""
   with rules_in_force(plan):
-    if plan.options.debug.numerics is None:
+    numerics = plan.options.debug.numerics
+    if numerics is None or record is False:
       return _step(plan, state, batch, None)
-    return watch_lib.every(plan.options.debug.numerics, state.step,
-                           lambda w: _step(plan, state, batch, w))
+    run = lambda w: _step(plan, state, batch, w)  # noqa: E731
+    if record is None:
+      return watch_lib.every(numerics, state.step, run)
+    return watch_lib.recorded(run)
 
 
 def _step(plan: Plan, state: TrainState, batch: Any, watch: watch_lib.Watch | None

@@ -43,7 +43,7 @@ class TrainStep(OptionsView):
     master_weights: whether the optimizer updates master weights (float32; float64 or
       complex for such parameters), or ``'stochastic'`` / ``'kahan'``; when
       ``make_train_step`` left it to the default, None until :meth:`init` decides.
-    trace_count: how many times ``step`` was traced (1 for a fixed batch shape).
+    trace_count: how many times ``step`` was traced (1 for a fixed batch shape; 2 with numerics).
     param_specs: with ``ShardingConfig.param_sharding``, the ``PartitionSpec`` of each parameter (a tree
       like the params) once :meth:`init` has run; else None.
   """
