@@ -119,8 +119,8 @@ def _close(got, want, a, b):
   assert np.all(err <= bound), float(np.max(err / bound))
 
 
-@pytest.mark.parametrize("m, k, n", [pytest.param(6, 384, 256, marks=pytest.mark.slow),
-                                     (5, 200, 100)])
+@pytest.mark.slow
+@pytest.mark.parametrize("m, k, n", [(6, 384, 256), (5, 200, 100)])
 def test_forward_and_both_gradients_equal_the_numpy_reference(m, k, n):
   """(5, 200, 100): no dimension divides 128, so every operand is padded."""
   rng = np.random.RandomState(2)
@@ -240,6 +240,7 @@ def test_an_nnx_linear_and_a_linen_dense_train_and_skip_exactly(model_kind, agai
       "mixed_fp8_block", model_kind, against_bf16, features=200, seed=5)
 
 
+@pytest.mark.slow
 def test_precision_report_and_summary_name_each_matmuls_format():
   """Every scaled format's matmuls, forward and backward, carry its describe() text in
   the lowered program (the named scope scaled.dot_for opens): precision_report shows it

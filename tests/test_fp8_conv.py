@@ -196,6 +196,7 @@ def test_conv_layers_train_with_delayed_state_and_skip_a_nonfinite_batch(library
   assert sum(c.count("f8E4M3FN>") == 2 for c in convs) == 2, convs  # both forward convs
 
 
+@pytest.mark.slow
 def test_a_format_without_a_convolution_leaves_conv_layers_in_the_compute_dtype(
     fresh_warnings):
   """Rowwise FP8 defines no convolution: the conv layers run in bfloat16, get no state,

@@ -71,6 +71,7 @@ def test_a_flaxconv1d_runs_fp8_with_its_state_and_its_product(fresh_warnings):
   assert _fp8_dots(train.lower(state, x, platforms=("cuda",)).as_text()) == (2, 3)  # no input gradient for the batch
 
 
+@pytest.mark.slow
 def test_a_flaxconv1d_product_is_the_fp8_dot_of_its_input_and_kernel():
   """Outside a train step (current scaling): bit for bit the FP8 dot of the bfloat16 input
   and kernel (``[features, in]``, contracted on its last dimension), plus the bias."""

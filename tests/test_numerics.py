@@ -110,6 +110,7 @@ def make(every=1, **kw):
                                 numerics=jaxamp.Numerics(every=every), **kw)
 
 
+@pytest.mark.slow
 def test_nnx_statistics_match_numpy():
   from flax import nnx
 
