@@ -1,4 +1,4 @@
-"""What bfloat16 storage without master weights costs in accuracy (issue 44): digits, text.
+"""What bfloat16 storage without master weights costs in accuracy (issue 44).
 
 ``--model cnn`` (default): a small CNN (two 3x3 convolutions and a dense head, Flax NNX) trains on scikit-learn's
 digits (8x8 images, 1437 train / 360 held out, a fixed stratified split) with

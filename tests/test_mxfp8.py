@@ -289,27 +289,7 @@ def test_batch_and_multi_axis_contractions_block_as_the_2d_dot():
   blocks run along the flattened contraction, so the product and gradients are those of
   the 2-D dot on the reshaped (or per-batch) operands."""
   dot = mxfp8.mxfp8_dot_general
-  rng = np.random.RandomState(7)
-  c = jnp.asarray(rng.randn(4, 5).astype(np.float32))
-  x = jnp.asarray((rng.randn(4, 3, 24) * np.logspace(-2, 2, 4)[:, None, None]).astype(
-      np.float32))
-  w = jnp.asarray(rng.randn(3, 24, 5).astype(np.float32))
-  f_nd = lambda x, w: jnp.sum(dot(x, w, (((1, 2), (0, 1)), ((), ()))) * c)
-  f_2d = lambda x, w: jnp.sum(dot(x.reshape(4, 72), w.reshape(72, 5), DIMS) * c)
-  for got, want in zip(jax.jit(jax.value_and_grad(f_nd, (0, 1)))(x, w),
-                       jax.jit(jax.value_and_grad(f_2d, (0, 1)))(x, w)):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b).reshape(np.shape(a)),
-                                 rtol=1e-6, atol=1e-6)
-  a = jnp.asarray(rng.randn(2, 4, 48).astype(np.float32)) * jnp.asarray([[[1.0]], [[1e3]]])
-  b = jnp.asarray(rng.randn(2, 48, 5).astype(np.float32))
-  cb = jnp.stack([c, -c])
-  f_b = lambda a, b: jnp.sum(dot(a, b, (((2,), (1,)), ((0,), (0,)))) * cb)
-  f_v = lambda a, b: jnp.sum(jax.vmap(lambda a, b: dot(a, b, DIMS))(a, b) * cb)
-  for got, want in zip(jax.jit(jax.value_and_grad(f_b, (0, 1)))(a, b),
-                       jax.jit(jax.value_and_grad(f_v, (0, 1)))(a, b)):
-    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+  train_helpers.check_contractions_match_the_2d_dot(dot, (3, 24), 48, seed=7)
 
 
 @pytest.mark.slow

@@ -181,3 +181,34 @@ def check_scaled_recipe_trains_and_skips(policy, model_kind, against_bf16, featu
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fp8[1][1])):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
   np.testing.assert_array_equal(scaled_state[""], state_amax)
+
+
+def check_contractions_match_the_2d_dot(dot, k_axes, batch_k, seed):
+  """``dot(lhs, rhs, dimension_numbers)`` (a scaled format's) with two contracted axes
+  ``k_axes`` (a DenseGeneral's) equals, value and gradients, the 2-D dot on the reshaped
+  operands; with a batch dimension (an Einsum's ``'bmk,bkn->bmn'``, contraction
+  ``batch_k``), the 2-D dot per batch entry (``jax.vmap``): a format quantizing along
+  the flattened contraction, per batch entry, gives the same numbers."""
+  dims_2d = (((1,), (0,)), ((), ()))
+  rng = np.random.RandomState(seed)
+  c = jnp.asarray(rng.randn(4, 5).astype(np.float32))
+  k1, k2 = k_axes
+  x = jnp.asarray((rng.randn(4, k1, k2) * np.logspace(-2, 2, 4)[:, None, None]).astype(
+      np.float32))
+  w = jnp.asarray(rng.randn(k1, k2, 5).astype(np.float32))
+  f_nd = lambda x, w: jnp.sum(dot(x, w, (((1, 2), (0, 1)), ((), ()))) * c)
+  f_2d = lambda x, w: jnp.sum(dot(x.reshape(4, k1 * k2), w.reshape(k1 * k2, 5), dims_2d) * c)
+  for got, want in zip(jax.jit(jax.value_and_grad(f_nd, (0, 1)))(x, w),
+                       jax.jit(jax.value_and_grad(f_2d, (0, 1)))(x, w)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b).reshape(np.shape(a)),
+                                 rtol=1e-6, atol=1e-6)
+  a = jnp.asarray(rng.randn(2, 4, batch_k).astype(np.float32)) * jnp.asarray([[[1.0]], [[1e3]]])
+  b = jnp.asarray(rng.randn(2, batch_k, 5).astype(np.float32))
+  cb = jnp.stack([c, -c])
+  f_b = lambda a, b: jnp.sum(dot(a, b, (((2,), (1,)), ((0,), (0,)))) * cb)
+  f_v = lambda a, b: jnp.sum(jax.vmap(lambda a, b: dot(a, b, dims_2d))(a, b) * cb)
+  for got, want in zip(jax.jit(jax.value_and_grad(f_b, (0, 1)))(a, b),
+                       jax.jit(jax.value_and_grad(f_v, (0, 1)))(a, b)):
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
