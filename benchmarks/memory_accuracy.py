@@ -1,8 +1,8 @@
 """What bfloat16 storage without master weights costs in accuracy (issue 44).
 
-``--model cnn`` (default): a small CNN (two 3x3 convolutions and a dense head, Flax NNX) trains on scikit-learn's
-digits (8x8 images, 1437 train / 360 held out, a fixed stratified split) with
-``optax.adamw(lr)`` at batch 64, once per seed, as:
+``--model cnn`` (default): a small CNN (two 3x3 convolutions and a dense head, Flax NNX)
+trains on scikit-learn's digits (8x8 images, 1437 train / 360 held out, a fixed
+stratified split) with ``optax.adamw(lr)`` at batch 64, once per seed, as:
 
 - ``mixed_bfloat16``: float32 params and moments (the reference);
 - ``stochastic``: ``policy='bfloat16', master_weights='stochastic',
