@@ -271,12 +271,7 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     **kwargs: ``out_sharding`` (Flax layers pass it; must be None).
   """
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's block FP8 dot takes no out_sharding; shard its "
-                              "inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"block_dot_general got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "block FP8 dot", "block_dot_general")
   recipe = BlockScaling() if recipe is None else recipe
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type

@@ -220,11 +220,7 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     The product.
   """
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's FP8 dot takes no out_sharding; shard its inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"scaled_dot_general got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "FP8 dot", "scaled_dot_general")
   recipe = CurrentScaling() if recipe is None else recipe
   delayed = isinstance(recipe, DelayedScaling) and meta is not None
   if meta is None:
@@ -319,12 +315,7 @@ def scaled_conv_general_dilated(
     ((1, 3, 4), 9.0)
   """
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's FP8 convolution takes no out_sharding; shard its "
-                              "inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"scaled_conv_general_dilated got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "FP8 convolution", "scaled_conv_general_dilated")
   recipe = CurrentScaling() if recipe is None else recipe
   delayed = isinstance(recipe, DelayedScaling) and meta is not None
   if meta is None:

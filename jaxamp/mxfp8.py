@@ -317,11 +317,7 @@ def mxfp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     [[20.0, 20.0, 20.0], [20.0, 20.0, 20.0]]
   """
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's MXFP8 dot takes no out_sharding; shard its inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"mxfp8_dot_general got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "MXFP8 dot", "mxfp8_dot_general")
   recipe = MXFP8Scaling() if recipe is None else recipe
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type

@@ -111,12 +111,7 @@ def per_matmul_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
   amaxes (their cotangent is this pass's largest input, kernel and output-gradient
   magnitudes); None: zeros. ``kwargs``: ``out_sharding`` (must be None)."""
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's per-matmul dot takes no out_sharding; shard its "
-                              "inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"per_matmul_dot_general got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "per-matmul dot", "per_matmul_dot_general")
   recipe = PerMatmulScaling() if recipe is None else recipe
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type

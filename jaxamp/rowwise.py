@@ -228,12 +228,7 @@ def rowwise_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   ``out_sharding`` (Flax layers pass it; must be None).
   """
   del precision
-  if kwargs.get("out_sharding") is not None:
-    raise NotImplementedError("jaxamp's rowwise FP8 dot takes no out_sharding; shard its "
-                              "inputs.")
-  unknown = set(kwargs) - {"out_sharding"}
-  if unknown:
-    raise TypeError(f"rowwise_dot_general got unexpected arguments {sorted(unknown)}.")
+  scaled.refuse_extra_arguments(kwargs, "rowwise FP8 dot", "rowwise_dot_general")
   recipe = RowwiseScaling() if recipe is None else recipe
   state = jnp.zeros((3,), _F32) if state is None else state
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type

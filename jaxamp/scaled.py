@@ -77,6 +77,7 @@ __all__ = [
     "policy_name",
     "policy_recipe",
     "recipe_named",
+    "refuse_extra_arguments",
     "register",
     "runs_conv",
     "state_scope",
@@ -503,6 +504,17 @@ def transpose_lhs(g: jax.Array, x_ndim: int, y_ndim: int, dimension_numbers: Any
   order = list(x_batch) + x_kept + x_contract_by_y
   out_axes = sorted(range(len(order)), key=lambda i: order[i])
   return jax.numpy.transpose(dot(g, g_dims), tuple(out_axes))
+
+
+def refuse_extra_arguments(kwargs: Mapping[str, Any], what: str, function: str) -> None:
+  """Refuses what a format's ``dot_general`` or convolution (``function``, doing
+  ``what``) cannot honour: an ``out_sharding`` (Flax layers pass None, which is fine)
+  or any other keyword."""
+  if kwargs.get("out_sharding") is not None:
+    raise NotImplementedError(f"jaxamp's {what} takes no out_sharding; shard its inputs.")
+  unknown = set(kwargs) - {"out_sharding"}
+  if unknown:
+    raise TypeError(f"{function} got unexpected arguments {sorted(unknown)}.")
 
 
 def runs_conv(recipe: Any) -> bool:
