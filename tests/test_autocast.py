@@ -388,6 +388,7 @@ def test_carry_dtypes_kept():
 
 # --- composition with transformations ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_composes_with_jit_grad_vmap():
   params, x, y = _mlp_data()
   auto = jaxamp.autocast(mlp, "mixed_bfloat16")
@@ -689,8 +690,9 @@ def _benchmark_gpt_losses():
 
 # Not Flax Linen's MultiHeadDotProductAttention: with dtype=bfloat16 it runs softmax in
 # bfloat16, which autocast keeps in float32 (as torch does).
-@pytest.mark.parametrize("losses", [_nnx_lm_losses, _benchmark_gpt_losses],
-                         ids=["nnx_models", "benchmarks_gpt"])
+@pytest.mark.parametrize("losses", [
+    pytest.param(_nnx_lm_losses, id="nnx_models"),
+    pytest.param(_benchmark_gpt_losses, id="benchmarks_gpt", marks=pytest.mark.slow)])
 def test_transformer_casts_and_residuals_at_most_hand_set(losses):
   """O1 (autocast of the float32 model) casts no more bytes and saves no more residuals
   than the same transformer with ``dtype=bfloat16`` set by hand on every Flax layer:

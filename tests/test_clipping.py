@@ -113,6 +113,7 @@ def test_in_the_step_the_shared_norm_gives_what_its_own_norm_gives(policy):
                                atol=1e-6)
 
 
+@pytest.mark.slow
 def test_after_an_element_that_changes_the_updates_the_clip_takes_its_own_norm():
   # sgd(1.0) after the clip: the parameter change is the clipped update. Had the clip
   # reused the step's norm of the unscaled gradients, the change would have norm 3.

@@ -180,6 +180,7 @@ class ScanLM(eqx.Module):
     return x @ self.embed.weight.T
 
 
+@pytest.mark.slow
 def test_scanned_layers_a_tied_head_and_dropout_keys_run_in_half_precision(fresh_warnings):
   amp = amp_eqx.with_policy(ScanLM(jax.random.key(0)), "mixed_bfloat16")
   ids = jnp.zeros((4, SEQ), jnp.int32)

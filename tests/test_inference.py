@@ -72,6 +72,7 @@ def test_bad_inputs_are_named():
     jaxamp.convert_for_inference({"params": {}}, module=module)
 
 
+@pytest.mark.slow
 def test_a_parameter_out_of_float16_range_is_refused_not_stored_as_inf():
   model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
   model.layers[1].kernel[...] = model.layers[1].kernel[...].at[0, 0].set(1e5)

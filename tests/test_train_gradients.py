@@ -96,7 +96,7 @@ def test_a_linen_stream_not_given_is_named_with_the_fix_and_init_rngs_name_strea
     jaxamp.make_train_step(loss, optax.sgd(0.1), rng_streams="droppath")
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
+@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_linen_model_that_draws_no_key_gets_no_key_work(dropout):
   # The step's dropout key is folded from the base key, never split off and carried:
   # with no Dropout drawing it, XLA keeps no threefry hash (its xors) in the program.

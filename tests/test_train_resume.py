@@ -203,6 +203,7 @@ def test_a_state_laid_out_as_the_steps_own_skips_the_check(monkeypatch):
   assert len(checked) == 1
 
 
+@pytest.mark.slow
 def test_a_scale_init_made_or_a_step_returned_is_never_read_on_the_host(monkeypatch):
   """Fitting a state to the policy reads its loss scale on the host (a sync) only for a
   scale no step made: not after init, nor when two steps take turns on one state."""
