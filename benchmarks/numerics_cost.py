@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxamp  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import report as report_lib  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks import models  # noqa: E402  pylint: disable=wrong-import-position
 from examples.resnet import loss_fn as resnet_loss  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -60,7 +60,8 @@ def measure(make, rounds, calls, small):
   runs = {}
   for name, numerics in (("off", None), ("every=100", jaxamp.Numerics(every=100))):
     train, state, batch = make(numerics, small)
-    state, m = train.step(state, batch)  # compile
+    for _ in range(2):  # compile: step 0 records (every=100), step 1 is the plain program
+      state, m = train.step(state, batch)
     jax.block_until_ready(m)
     runs[name] = [train, state, batch]
   times = {name: [] for name in runs}
@@ -75,7 +76,8 @@ def measure(make, rounds, calls, small):
       times[name].append((time.perf_counter() - start) / calls)
       runs[name][1] = state
   ratios = [a / b for a, b in zip(times["every=100"], times["off"])]
-  return {"off_ms": 1e3 * statistics.median(times["off"]),
+  quartiles = statistics.quantiles(ratios, n=4)
+  return {"ratio_iqr": [quartiles[0], quartiles[2]],"off_ms": 1e3 * statistics.median(times["off"]),
           "every100_ms": 1e3 * statistics.median(times["every=100"]),
           "ratio": statistics.median(ratios), "rounds": rounds, "calls": calls,
           "times": times}
@@ -88,15 +90,27 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=100)
   p.add_argument("--small", action="store_true", help="tiny models (a smoke run)")
   args = p.parse_args(argv)
-  device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {platform.machine()})"
-  results = {"device": device, "models": {}}
-  lines = [f"# Numerics monitor cost ({device})", "",
-           "| model | numerics=None (ms/step) | every=100 (ms/step) | ratio (median) |",
-           "| --- | ---: | ---: | ---: |"]
+  info = report_lib.machine()
+  info["command"] = "python benchmarks/numerics_cost.py " + " ".join(
+      argv if argv is not None else sys.argv[1:])
+  results = {"machine": info, "models": {}}
+  lines = ["# Numerics monitor cost", "",
+           f"Measured by `{info['command']}` on {info['date']}. Generated file: rerun the "
+           "script rather than editing it.", "",
+           f"Machine: {info['cpu']}, {info['cpu_cores']} cores ({info['backend']}), Python "
+           f"{info['python']}, " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+           + f", jaxamp git {info['git']}.", "",
+           f"Each round: {args.calls} steps of each program, interleaved, {args.rounds} rounds; "
+           "ratio: the median of the per-round ratios (every=100 / None), with their "
+           "interquartile range.", "",
+           "| model | numerics=None (ms/step) | every=100 (ms/step) | ratio (median) | "
+           "ratio IQR |",
+           "| --- | ---: | ---: | ---: | --- |"]
   for name, make in (("LM (NNX GPT)", _lm), ("CNN (Linen ResNet)", _cnn)):
     r = measure(make, args.rounds, args.calls, args.small)
     results["models"][name] = r
-    lines.append(f"| {name} | {r['off_ms']:.2f} | {r['every100_ms']:.2f} | {r['ratio']:.3f} |")
+    lines.append(f"| {name} | {r['off_ms']:.2f} | {r['every100_ms']:.2f} | {r['ratio']:.3f} | "
+                 f"{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f} |")
   text = "\n".join(lines)
   print(text)
   if args.out:
