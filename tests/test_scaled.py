@@ -261,3 +261,22 @@ def test_a_toy_format_trains_a_linen_dense_too():
   np.testing.assert_allclose(np.asarray(state.params["kernel"]), want_kernel, rtol=1e-6)
   (seen,) = state.scaled.values()
   assert float(seen.calls) == 1.0 and float(seen.amax) == float(np.abs(x).max())
+
+
+@pytest.mark.parametrize("recipe", [
+    jaxamp.CurrentScaling(), jaxamp.DelayedScaling(), jaxamp.RowwiseScaling(),
+    jaxamp.BlockScaling(), jaxamp.MXFP8Scaling(),
+    jaxamp.PerMatmulScaling(fwd=jaxamp.CurrentScaling(), dgrad=None, wgrad=None)],
+    ids=lambda r: type(r).__name__)
+def test_each_formats_dot_refuses_an_out_sharding_and_unknown_keywords(recipe):
+  fmt = scaled.format_of(recipe)
+  x, w = jnp.ones((4, 128)), jnp.ones((128, 8))
+  dims = (((1,), (0,)), ((), ()))
+  state = fmt.init_state(recipe)
+  call = functools.partial(fmt.dot_general, x, w, dims, None, None, state=state, recipe=recipe)
+  mesh = jax.make_mesh((1,), ("data",))
+  with pytest.raises(NotImplementedError, match="takes no out_sharding; shard its inputs"):
+    call(out_sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+  with pytest.raises(TypeError, match=r"got unexpected arguments \['bogus'\]"):
+    call(bogus=1)
+  assert call(out_sharding=None).shape == (4, 8)  # Flax layers pass None: accepted
