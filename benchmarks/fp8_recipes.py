@@ -18,10 +18,12 @@ default per-channel scales) applied to the same model, which then trains under j
 ``mixed_bfloat16`` (the two compose: qwix intercepts the layers' ``dot_general``).
 qwix quantizes every ``dot_general`` and ``einsum`` it intercepts, attention's included;
 jaxamp's recipes quantize the layers' kernels' matmuls only: the rows differ in what
-they quantize as well as how. qwix's convolutions take E4M3 gradients: with E5M2
-gradients its convolution's backward pass fails (``lax.conv_general_dilated requires
-arguments to have the same dtypes, got float8_e5m2, float8_e4m3fn``; qwix 0.1.8, jax
-0.10.2).
+they quantize as well as how. The CNN has one more candidate, ``mixed_fp8, convs in
+bf16``: ``mixed_fp8`` with a ``jaxamp.policy_rules({nnx.Conv: 'mixed_bfloat16'})`` rule
+(only the per-tensor recipes run convolutions in FP8: it separates their cost). qwix's
+convolutions take E4M3 gradients: with E5M2 gradients its convolution's backward pass
+fails (``lax.conv_general_dilated requires arguments to have the same dtypes, got
+float8_e5m2, float8_e4m3fn``; qwix 0.1.8, jax 0.10.2).
 
 The criterion (issue 43): each recipe's held-out loss within 2.5 % of
 ``mixed_bfloat16``'s, as the mean over seeds of the paired relative gap, either way
@@ -91,9 +93,18 @@ def _qwix(model: Any, example: jax.Array) -> Any:
   return qwix.quantize_model(model, qwix.QtProvider(rules), example)
 
 
+# Candidates of one model only: a recipe with some layers kept out of FP8 by a rule.
+CONVS_BF16 = "mixed_fp8, convs in bf16"
+
+
 def _policy(name: str) -> str:
   """The jaxamp policy a candidate trains under (qwix's: mixed_bfloat16)."""
-  return REFERENCE if name == "qwix fp8" else name
+  return {"qwix fp8": REFERENCE, CONVS_BF16: "mixed_fp8"}.get(name, name)
+
+
+def _rules(name: str) -> dict[Any, str]:
+  """The per-module rules a candidate trains under (jaxamp.policy_rules)."""
+  return {nnx.Conv: REFERENCE} if name == CONVS_BF16 else {}
 
 
 def _setup(name: str, model: Any, example: jax.Array) -> tuple[Any, str]:
@@ -108,6 +119,7 @@ def _setup(name: str, model: Any, example: jax.Array) -> tuple[Any, str]:
 
 class LM:
   label = "LM (char GPT)"
+  extra: tuple[str, ...] = ()
 
   def __init__(self, args: argparse.Namespace):
     data = char_lm.load_corpus(1_000_000)
@@ -145,6 +157,7 @@ class LM:
 
 class CNN:
   label = "CNN (digits)"
+  extra = (CONVS_BF16,)
 
   def __init__(self, args: argparse.Namespace):
     self.x_train, self.x_test, self.y_train, self.y_test = digits.load_data(0)
@@ -195,7 +208,7 @@ def train_one(task: Any, name: str, seed: int, steps: int, train: Any) -> dict[s
 
 def _train_one(task: Any, name: str, seed: int, steps: int, train: Any) -> dict[str, Any]:
   model, _ = _setup(name, task.model(seed), task.example())
-  with warnings.catch_warnings(record=True) as caught:
+  with warnings.catch_warnings(record=True) as caught, jaxamp.policy_rules(_rules(name)):
     warnings.simplefilter("always")
     state = train.init(model)
     batch = task.batches(seed)
@@ -321,8 +334,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   this_run = {"command": info["command"], "date": info["date"], "git": info["git"],
               "steps": args.steps, "seeds": args.seeds}
   for task in [cls(args) for key, cls in (("lm", LM), ("cnn", CNN)) if key in args.tasks]:
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for name in names:
+    task_names = names + [n for n in task.extra if args.only is None or n in args.only]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in task_names}
+    for name in task_names:
       train = task.make_step(_policy(name))
       for seed in range(args.seeds):
         runs[name].append(train_one(task, name, seed, args.steps, train))
@@ -330,7 +344,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if "error" not in r:
           print(f"{task.label} seed {seed} {name:<20} loss {r['loss']:.4f} "
                 f"({r['seconds']:.1f} s)", flush=True)
-    tables[task.label] = summarize(runs)
+    same = (runs_info.get(task.label, {}).get("steps"), runs_info.get(task.label, {}).get(
+        "seeds")) == (args.steps, args.seeds)
+    # Candidates run again replace their rows; with other steps or seeds the whole table.
+    tables[task.label] = {**(tables.get(task.label, {}) if same else {}), **summarize(runs)}
     runs_info[task.label] = this_run
   timing = kept.get("timing", {})
   if args.rounds:
