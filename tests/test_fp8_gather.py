@@ -165,7 +165,8 @@ print("FP8-GATHER-OK")
 """
 
 # A non-finite input: the step is skipped exactly (params unchanged), as with the bfloat16
-# gather; delayed scaling keeps its kernels on the bfloat16 gather.
+# gather; delayed scaling keeps its kernels on the bfloat16 gather; Linen and Equinox
+# models gather E4M3 kernels per layer and step bit for bit as with the switch off.
 _EXTRA = """
 train, state = make("model")
 bad = dict(batch, x=batch["x"].at[3, 2].set(jnp.inf))
@@ -176,6 +177,31 @@ for a, b in zip(leaves(new.params), before):
   np.testing.assert_array_equal(a, b)
 train, state = make("layer", policy="mixed_fp8")
 assert not [c for c in gathers(train, state) if c.dtype == "f8E4M3FN"]
+
+# Linen (read slices) and Equinox (policy views), per layer: E4M3 kernels, the same step
+import equinox as eqx
+import flax.linen as nn
+x, y = batch["x"], batch["y"]
+for lib in ("linen", "equinox"):
+  params = dict()
+  for on in (True, False):
+    train = jaxamp.make_train_step(
+        lambda m, b: jnp.mean(((m(b["x"]) if lib == "linen" else jax.vmap(m)(b["x"]))
+                               - b["y"]) ** 2),
+        optax.sgd(0.1), policy="mixed_fp8_current", sharding=jaxamp.ShardingConfig(
+            mesh=mesh, fp8_gather=on,
+            param_sharding=jaxamp.fsdp("data", min_size=64, gather="layer")))
+    if lib == "linen":
+      module = nn.Dense(16)
+      state = train.init(module, module.init(jax.random.key(0), x), x)
+    else:
+      state = train.init(eqx.nn.Linear(8, 16, key=jax.random.key(0)))
+    assert bool([c for c in gathers(train, state) if c.dtype == "f8E4M3FN"]) == on, lib
+    state, losses = run(train, state)
+    params[on] = leaves(state.params) + [np.stack(losses)]
+  for a, b in zip(params[True], params[False]):
+    np.testing.assert_array_equal(a, b)
+  print(lib, "ok")
 """
 
 
@@ -189,7 +215,6 @@ def _run_script(tmp_path, gathers, extra=""):
                         timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "FP8-GATHER-OK" in proc.stdout, proc.stdout
-  print(proc.stdout)
 
 
 # Against one device the step differs as it does with the bfloat16 gather: with current
@@ -203,5 +228,6 @@ def test_fsdp_per_layer_gathers_kernels_as_e4m3_bit_identical_on_8_devices(tmp_p
 
 
 @pytest.mark.slow
-def test_fsdp_whole_model_gather_skips_and_delayed_scaling_on_8_devices(tmp_path):
+def test_fsdp_whole_model_gather_skip_delayed_scaling_linen_and_equinox_on_8_devices(
+    tmp_path):
   _run_script(tmp_path, ("model",), _EXTRA)
