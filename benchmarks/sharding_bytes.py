@@ -2,11 +2,11 @@
 
 Replicated (data parallel) against FSDP (``jaxamp.fsdp``), float32 against
 ``mixed_bfloat16`` and pure ``bfloat16`` (float32 master weights), and FSDP under
-``mixed_fp8_current`` with its FP8 kernel gather on and off (``ShardingConfig.fp8_gather``),
-for one model on a mesh of all devices. Per device: the bytes of params and optimizer state (master weights
-included) the state holds, XLA's memory analysis of the compiled step, and the
-collectives per step, both as jaxamp lowered them (the dtypes it asked for) and as the
-backend compiled them.
+``mixed_fp8_current`` with its FP8 kernel gather on and off
+(``ShardingConfig.fp8_gather``), for one model on a mesh of all devices. Per device: the
+bytes of params and optimizer state (master weights included) the state holds, XLA's
+memory analysis of the compiled step, and the collectives per step, both as jaxamp
+lowered them (the dtypes it asked for) and as the backend compiled them.
 
 On CPU, fake the devices::
 
