@@ -76,7 +76,8 @@ class ShardingConfig:
       scale of the whole kernel's amax (one scalar all-reduce) before the gather, as
       torchao's float8 all-gather: the FP8 matmul gets bit-identical E4M3 values
       (:mod:`jaxamp.fp8_gather`). True (default) where a format can do it exactly;
-      False: every kernel gathered in its compute dtype.
+      False: every kernel gathered in its compute dtype (also for a ``loss_fn`` that
+      reads FP8 kernels itself under ``gather='model'``: it would read them E4M3-rounded).
 
   Example:
     >>> import jax, jaxamp
