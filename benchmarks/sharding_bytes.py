@@ -1,11 +1,12 @@
 """Sharded training: per-device state bytes and collective bytes per step.
 
 Replicated (data parallel) against FSDP (``jaxamp.fsdp``), float32 against
-``mixed_bfloat16`` and pure ``bfloat16`` (float32 master weights), for one model on a
-mesh of all devices. Per device: the bytes of params and optimizer state (master weights
-included) the state holds, XLA's memory analysis of the compiled step, and the
-collectives per step, both as jaxamp lowered them (the dtypes it asked for) and as the
-backend compiled them.
+``mixed_bfloat16`` and pure ``bfloat16`` (float32 master weights), and FSDP under
+``mixed_fp8_current`` with its FP8 kernel gather on and off
+(``ShardingConfig.fp8_gather``), for one model on a mesh of all devices. Per device: the
+bytes of params and optimizer state (master weights included) the state holds, XLA's
+memory analysis of the compiled step, and the collectives per step, both as jaxamp
+lowered them (the dtypes it asked for) and as the backend compiled them.
 
 On CPU, fake the devices::
 
@@ -68,9 +69,10 @@ def by_op(found) -> dict[str, tuple[int, str]]:
   return {op: (b, "/".join(sorted(d))) for op, (b, d) in out.items()}
 
 
-def measure(layout: str, policy: str, mesh, batch, reduce=jnp.float32) -> dict:
+def measure(layout: str, policy: str, mesh, batch, reduce=jnp.float32,
+            fp8_gather=True) -> dict:
   sharding = jaxamp.ShardingConfig(
-      mesh=mesh, batch_axis="d", grad_reduce_dtype=reduce,
+      mesh=mesh, batch_axis="d", grad_reduce_dtype=reduce, fp8_gather=fp8_gather,
       param_sharding=jaxamp.fsdp("d") if layout == "fsdp" else None)
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy=policy, sharding=sharding)
   state = train.init(Mlp(nnx.Rngs(0)))
@@ -86,6 +88,7 @@ def measure(layout: str, policy: str, mesh, batch, reduce=jnp.float32) -> dict:
     times.append(time.perf_counter() - t)
   return {
       "layout": layout, "policy": policy, "reduce": np.dtype(reduce).name,
+      "fp8_gather": ("on" if fp8_gather else "off") if "fp8" in policy else "",
       "params": local_bytes(state.params), "opt": local_bytes(state.opt_state),
       "args": getattr(mem, "argument_size_in_bytes", None),
       "temp": getattr(mem, "temp_size_in_bytes", None),
@@ -101,12 +104,12 @@ def mib(b) -> str:
 
 def table(rows, n) -> str:
   ops = ("all-gather", "reduce-scatter", "all-reduce")
-  head = ("| layout | policy | grad_reduce_dtype | params MiB | opt state MiB | params + opt MiB | XLA args MiB "
+  head = ("| layout | policy | grad_reduce_dtype | fp8_gather | params MiB | opt state MiB | params + opt MiB | XLA args MiB "
           "| XLA temp MiB | " + " | ".join(f"{op} (lowered)" for op in ops) + " | "
           + " | ".join(f"{op} (compiled)" for op in ops) + " | ms/step |")
   lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
   for r in rows:
-    cells = [r["layout"], r["policy"], r["reduce"], mib(r["params"]), mib(r["opt"]),
+    cells = [r["layout"], r["policy"], r["reduce"], r["fp8_gather"], mib(r["params"]), mib(r["opt"]),
              mib(r["params"] + r["opt"]), mib(r["args"]), mib(r["temp"])]
     for which in ("lowered", "compiled"):
       for op in ops:
@@ -130,6 +133,8 @@ def main() -> None:
   rows = [measure(layout, policy, mesh, batch) for layout in ("replicated", "fsdp")
           for policy in ("float32", "mixed_bfloat16", "bfloat16")]
   rows.append(measure("fsdp", "mixed_bfloat16", mesh, batch, reduce=jnp.bfloat16))
+  rows += [measure("fsdp", "mixed_fp8_current", mesh, batch, fp8_gather=on)
+           for on in (True, False)]
   try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
@@ -147,6 +152,7 @@ Model: MLP {'-'.join(map(str, WIDTHS))} ({n_params:,} params), Adam, batch {BATC
 - **params / opt state MiB**: bytes one device holds (its shards), after a step. The optimizer state includes the loss-scale state and, for `bfloat16`, the float32 master weights.
 - **XLA args / temp MiB**: `compiled.memory_analysis()` of the step on one device.
 - **collective columns**: bytes of the arrays each kind of collective produces on one device per step, and their dtypes (an all-gather's result is the whole gathered parameter; a device receives (n-1)/n of it). *Lowered*: the program jaxamp hands to XLA, where the dtypes are the ones it chose: params gathered in the compute dtype, gradients reduced in `grad_reduce_dtype` (float32 but in the last row). *Compiled*: what XLA:CPU made of it. XLA:CPU promotes bfloat16 collectives to float32 (its `_promoted` reduction regions), so on CPU the compiled bytes of a bfloat16 gather are float32's; a GPU or TPU backend keeps bfloat16 (not measured here: no accelerator).
+- **fp8_gather**: under `mixed_fp8_current`, `ShardingConfig(fp8_gather=...)`: on (the default), each FP8 layer's kernel is quantized to E4M3 on its slice with the whole kernel's scale (one scalar all-reduce of the amax: the all-reduce column's extra bytes) and gathered as `f8E4M3FN`, half the bytes of bfloat16; the FP8 matmul gets the same E4M3 values bit for bit (`jaxamp.fp8_gather`). The biases stay bfloat16. XLA:CPU compiles an E4M3 all-gather as a float16 one (the compiled column: it has no FP8 collectives), and the quantize and dequantize on each slice cost CPU time (the ms/step column, on 2 shared cores); whether GPU collectives move the E4M3 bytes as lowered is not measured here.
 - **ms/step**: median of 5 steps; on fake CPU devices this says little about real devices.
 
 {table(rows, n)}

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once, dtypes, scaled
+from jaxamp import _warn_once, dtypes, fp8_gather, scaled
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -395,6 +395,13 @@ class PerTensorFp8(scaled.ScaledFormat):
     # A non-finite operand makes the product NaN (the exact skip), as the dot's own rule.
     nonfinite = jnp.where(jnp.isfinite(amaxes[0]) & jnp.isfinite(amaxes[1]), 0.0, jnp.nan)
     return out / (sa * sb) + nonfinite.astype(_F32)
+
+  def gather_quantized(self, x, axes, gather, recipe):
+    """FSDP's kernel gather in E4M3 (:mod:`jaxamp.fp8_gather`): current scaling only."""
+    if isinstance(recipe, DelayedScaling):
+      return None  # its scale lives in the module's state: the compute-dtype gather
+    return fp8_gather.gather_e4m3(
+        x, axes, gather, lambda a: _current_scale(a, _MAX[KERNEL], recipe.margin), quantize)
 
   def describe(self, recipe: Fp8Recipe) -> str:
     """``'fp8 e4m3fn/e5m2 per-tensor delayed'`` (or ``current``)."""

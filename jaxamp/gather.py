@@ -49,6 +49,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta as flax_meta
 
+from jaxamp import scaled
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array, real_or_complex
 from jaxamp.residuals import gathers
@@ -90,6 +91,10 @@ class Shard(NamedTuple):
     sizes: ``(axis, size)`` of every mesh axis.
     reduce_dtype: the dtype gradients are summed in (``grad_reduce_dtype``).
     shape: the shape of one device's slice.
+    quantized: the scaled-format recipe of the one module reading it as the operand its
+      format quantizes (a kernel), or None: the gather may then move the slice in that
+      format (:meth:`jaxamp.scaled.ScaledFormat.gather_quantized`) rather than in the
+      reader's compute dtype.
   """
 
   spec: tuple[tuple[str, ...], ...]
@@ -97,6 +102,7 @@ class Shard(NamedTuple):
   sizes: tuple[tuple[str, int], ...]
   reduce_dtype: np.dtype
   shape: tuple[int, ...]
+  quantized: Any = None
 
   @classmethod
   def of(cls, spec: jax.sharding.PartitionSpec, shape: Sequence[int],
@@ -178,6 +184,22 @@ def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
   return x
 
 
+def _cast_and_gather(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
+  """The slice ``x`` cast to ``dtype`` and all-gathered: moved in its reader's scaled
+  format where the Shard names one whose format gathers quantized (and says it applies
+  to this recipe and dtype), else in ``dtype``."""
+  x = x.astype(dtype)
+  if shard.quantized is not None and shard.sharded:
+    hook = getattr(scaled.format_of(shard.quantized), "gather_quantized", None)
+    if hook is not None:
+      axes = tuple(a for names in shard.spec for a in names)
+      out = hook(x, axes, functools.partial(_gather_slice, spec=shard.spec),
+                 shard.quantized)
+      if out is not None:
+        return out
+  return _gather_slice(x, shard.spec)
+
+
 def reduced(g: jax.Array, shard: Shard) -> jax.Array:
   """Inside shard_map: a full local gradient cast to ``reduce_dtype`` (a complex one to
   the complex dtype holding it), summed over the batch axes and scattered to the slice's
@@ -208,8 +230,10 @@ def reduced(g: jax.Array, shard: Shard) -> jax.Array:
 def gathered(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
   """Inside ``shard_map``: the slice ``x`` cast to ``dtype`` and all-gathered; its
   gradient is the full gradient reduce-scattered in ``shard.reduce_dtype`` (returned in
-  ``x``'s dtype)."""
-  return _gather_slice(x.astype(dtype), shard.spec)
+  ``x``'s dtype). Where ``shard.quantized`` names a format that gathers quantized, the
+  slice travels in that format (the forward value is then what the format's matmul
+  quantizes alike; the gradient is straight-through, as that matmul treats it)."""
+  return _cast_and_gather(x, shard, dtype)
 
 
 def _gathered_fwd(x: jax.Array, shard: Shard, dtype: Any) -> tuple[jax.Array, Any]:
@@ -415,10 +439,11 @@ def whole(tree: Any) -> Any:
 
 def gather_all(shards: Sequence[Shard], dtypes: Sequence[Any], params: Any) -> Any:
   """Inside shard_map (``gather='model'``): every param slice cast to its dtype in
-  ``dtypes``, then all-gathered."""
+  ``dtypes``, then all-gathered (a kernel of a scaled format's module in that format, as
+  :func:`gathered`)."""
   leaves, treedef = jax.tree.flatten(params)
   return treedef.unflatten([
-      _gather_slice(x.astype(dt) if is_floating_array(x) else x, s.spec)
+      _cast_and_gather(x, s, dt) if is_floating_array(x) else _gather_slice(x, s.spec)
       for x, s, dt in zip(leaves, shards, dtypes)])
 
 

@@ -74,6 +74,14 @@ EXTRA_ROWS = [
     dict(model="equinox", layout="replicated", policy="mixed_fp8", accum=1, state="none",
          fault="none", residuals="half", batch="arrays", optimizer="sgd", resume="none",
          net="cnn"),
+    # FSDP's FP8 kernel gather (issue 43 item 3, ShardingConfig.fp8_gather on by default):
+    # under current scaling each FP8 kernel is gathered as E4M3 and a scale, per layer
+    # (Linen's read slices) and for the whole model (Equinox), an inf on one device's rows.
+    dict(model="linen", layout="fsdp", policy="mixed_fp8_current", accum=2, state="none",
+         fault="inf on one device", residuals="half", batch="arrays", **EXTRA),
+    dict(model="equinox", layout="fsdp, whole model", policy="mixed_fp8_current", accum=1,
+         state="none", fault="inf on one device", residuals="plain", batch="arrays",
+         **EXTRA),
     # Issue 44: bfloat16 params without float32 master weights, the optimizer state in
     # bfloat16 (Adam's moments, momentum), a skipped step and accumulation (stochastic),
     # FSDP's two axes and BatchNorm (Kahan).

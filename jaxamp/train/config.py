@@ -70,6 +70,14 @@ class ShardingConfig:
       the same change: a count of calls). BatchNorm statistics are averaged and RNG
       streams kept without it; other state a step changes under a mesh is refused until
       declared.
+    fp8_gather: with ``param_sharding`` and an FP8 policy with current scaling
+      (``'mixed_fp8_current'``, bfloat16 compute), gather each FP8 module's kernel as
+      E4M3 values and one float32 scale (half the bytes of bfloat16), quantized with the
+      scale of the whole kernel's amax (one scalar all-reduce) before the gather, as
+      torchao's float8 all-gather: the FP8 matmul gets bit-identical E4M3 values
+      (:mod:`jaxamp.fp8_gather`). True (default) where a format can do it exactly;
+      False: every kernel gathered in its compute dtype (also for a ``loss_fn`` that
+      reads FP8 kernels itself under ``gather='model'``: it would read them E4M3-rounded).
 
   Example:
     >>> import jax, jaxamp
@@ -87,8 +95,13 @@ class ShardingConfig:
   param_sharding: Any = None
   grad_reduce_dtype: Any = None
   model_state_reduction: Mapping[str, str] | None = None
+  fp8_gather: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.fp8_gather, bool):
+      raise ValueError(f"ShardingConfig.fp8_gather must be True (gather FP8 kernels as "
+                       f"E4M3 where exact, the default) or False (in the compute dtype), "
+                       f"got {self.fp8_gather!r}.")
     if self.mesh is not None:
       if not hasattr(self.mesh, "axis_names"):
         raise ValueError(f"ShardingConfig.mesh must be a jax.sharding.Mesh (e.g. "

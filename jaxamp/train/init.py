@@ -106,6 +106,22 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
   return tuple(out)
 
 
+def _fp8_gathered(params: Any, fp8_rows: list[Any] | None,
+                  holders: Mapping[str, list[str]]) -> list[Any]:
+  """Per param leaf, the recipe of the scaled-format module whose kernel it is (its
+  ``kernel`` or ``weight``, held by that module alone), or None: the leaves the sharded
+  step may gather in that format (``ShardingConfig.fp8_gather``). Modules without state
+  (stacked layers of a scan, lifted Linen modules) read one layer of their kernel and are
+  left out: one scale for the whole stack would not be theirs."""
+  recipes = fp8_lib.recipes_of(fp8_rows or [])
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    module, _, field = leaf_name(path).rpartition("/")
+    shared = leaf_name(path) in holders
+    out.append(recipes.get(module) if field in ("kernel", "weight") and not shared else None)
+  return out
+
+
 def _state_reductions(options: Options, library: Library, model_state: Any
                       ) -> tuple[tuple[str, Any], ...]:
   """``(path, reduction)`` per model-state array leaf: the user's
@@ -208,9 +224,11 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     gather_dtypes = _gather_dtypes(params, rows, holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
+    quantized = (_fp8_gathered(params, split.fp8_rows, holders) if sharding.fp8_gather
+                 else [None] * len(spec_leaves))
     shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
-                            sharding.reduce_dtype(x.dtype))
-                   for s, x in zip(spec_leaves, jax.tree.leaves(params)))
+                            sharding.reduce_dtype(x.dtype))._replace(quantized=q)
+                   for s, x, q in zip(spec_leaves, jax.tree.leaves(params), quantized))
     layer_gather = _gathers_per_layer(options, library, model)
   master_weights, rounding = options.memory.master_weights, options.memory.rounding
   param_apply = _param_apply(options, params, name) if rounding is not None else None

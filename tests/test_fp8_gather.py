@@ -1,0 +1,233 @@
+"""FSDP's FP8 kernel gather (jaxamp.fp8_gather, ShardingConfig.fp8_gather): E4M3 bytes on the
+wire, and the FP8 matmul's values bit for bit those of the compute-dtype gather."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import fp8, fp8_gather
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _kernels():
+  """bfloat16 kernels of many magnitudes, with adversarial ones: one outlier, values at
+  and under E4M3's subnormal range after scaling, exact ties of the E4M3 grid, zeros."""
+  rng = np.random.RandomState(0)
+  out = [rng.randn(64, 48) * 10.0 ** e for e in (-30, -8, -3, 0, 3, 8, 30)]
+  outlier = rng.randn(64, 48) * 1e-3
+  outlier[5, 7] = 300.0  # the rest falls to E4M3's subnormals or to zero
+  ties = np.full((4, 4), 1.0 + 1 / 16) * rng.choice([-1, 1], (4, 4))  # halfway in E4M3
+  ties[0, 0] = 448.0
+  out += [outlier, ties, np.zeros((3, 5)), np.float32([[1e-38, 2.0]])]
+  return [jnp.asarray(k, jnp.float32).astype(jnp.bfloat16) for k in out]
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+def test_the_gathered_kernel_requantizes_to_the_same_e4m3_values(margin):
+  """What the gather hands the FP8 matmul, quantized again with the matmul's own rule
+  (its amax, its scale), equals the kernel's direct quantization bit for bit."""
+  recipe = jaxamp.CurrentScaling(margin=margin)
+  scale_of = lambda amax: fp8._current_scale(amax, 448.0, margin)
+  for w in _kernels():
+    moved = fp8.PER_TENSOR.gather_quantized(w, (), lambda q: q, recipe)
+    assert moved.dtype == jnp.bfloat16 and moved.shape == w.shape
+    amax = jaxamp.scaled.amax(w)
+    assert jaxamp.scaled.amax(moved) == amax
+    want = fp8.quantize(w, fp8.E4M3, scale_of(amax))
+    got = fp8.quantize(moved, fp8.E4M3, scale_of(jaxamp.scaled.amax(moved)))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+
+
+def test_non_finite_kernels_other_dtypes_and_delayed_scaling():
+  w = jnp.asarray([[1.0, jnp.inf], [2.0, 3.0]], jnp.bfloat16)
+  moved = fp8.PER_TENSOR.gather_quantized(w, (), lambda q: q, jaxamp.CurrentScaling())
+  assert np.isnan(np.asarray(moved, np.float32)).all()  # the FP8 dot then skips the step
+  ok = jnp.ones((2, 2), jnp.bfloat16)
+  # float32 and float16 compute, and delayed scaling (a scale from state): not moved in FP8
+  for x, recipe in ((ok.astype(jnp.float32), jaxamp.CurrentScaling()),
+                    (ok.astype(jnp.float16), jaxamp.CurrentScaling()),
+                    (ok, jaxamp.DelayedScaling())):
+    assert fp8.PER_TENSOR.gather_quantized(x, (), lambda q: q, recipe) is None
+  assert fp8_gather.gather_e4m3(ok.astype(jnp.float32), (), None, None, None) is None
+  with pytest.raises(ValueError, match=r"fp8_gather must be True \(gather FP8 kernels as "
+                     r"E4M3 where exact, the default\) or False .*got 'yes'"):
+    jaxamp.ShardingConfig(fp8_gather="yes")
+
+
+@pytest.mark.filterwarnings("ignore:jaxamp. policy .mixed_fp8_current. runs FP8")
+def test_a_sharded_fp8_step_lowers_its_kernel_gathers_in_e4m3_and_the_switch_turns_it_off():
+  """In process (one device, so lowering only: the 8-device runs are in the slow tier)."""
+  import optax
+  from flax import nnx
+  from jaxamp.sharding import collectives
+
+  mesh = jax.make_mesh((1,), ("data",))
+  x = jnp.ones((2, 8))
+
+  def gathered(on):
+    train = jaxamp.make_train_step(
+        lambda m, b: jnp.sum(m(b)), optax.sgd(0.1), policy="mixed_fp8_current",
+        sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=jaxamp.fsdp(
+            "data", min_size=1, gather="model"), fp8_gather=on))
+    state = train.init(nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
+    found = collectives(train.lower(state, x).as_text())
+    return sorted((c.dtype, c.bytes) for c in found if c.op == "all-gather")
+
+  # the kernel (8 x 16) in E4M3 and the bias (16) in bfloat16; or both in bfloat16
+  assert gathered(True) == [("bf16", 32), ("f8E4M3FN", 128)]
+  assert gathered(False) == [("bf16", 32), ("bf16", 256)]
+
+
+_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+import warnings
+warnings.filterwarnings("ignore")
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import jaxamp
+from jaxamp.sharding import collectives
+assert jax.device_count() == 8
+
+class Mlp(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(8, 64, rngs=rngs)
+    self.b = nnx.Linear(64, 16, rngs=rngs)
+  def __call__(self, x):
+    return self.b(jax.nn.relu(self.a(x)))
+
+rng = np.random.RandomState(0)
+batch = {{"x": jnp.asarray(rng.randn(16, 8).astype(np.float32)),
+          "y": jnp.asarray(rng.randn(16, 16).astype(np.float32))}}
+loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+mesh = jax.make_mesh((8,), ("data",))
+KERNELS = 64 * 8 + 16 * 64  # elements of the two kernels (sharded); the bias of 64 too
+
+def make(gather, on=True, policy="mixed_fp8_current"):
+  sharding = {{}} if gather is None else dict(sharding=jaxamp.ShardingConfig(
+      mesh=mesh, param_sharding=jaxamp.fsdp("data", min_size=64, gather=gather),
+      fp8_gather=on))
+  train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy=policy, **sharding)
+  return train, train.init(Mlp(nnx.Rngs(0)))
+
+def gathers(train, state):
+  return [c for c in collectives(train.lower(state, batch).as_text()) if c.op == "all-gather"]
+
+def run(train, state, batch=batch, steps=2):
+  losses = []
+  for _ in range(steps):
+    state, metrics = train.step(state, batch)
+    losses.append(np.asarray(metrics["loss"]))
+  return state, losses
+
+def leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+one, _ = run(*make(None))
+for gather in {gathers!r}:
+  runs = {{}}
+  for on in (True, False):
+    train, state = make(gather, on)
+    found = gathers(train, state)
+    fp8 = [c for c in found if c.dtype == "f8E4M3FN"]
+    bf16 = [c for c in found if c.dtype == "bf16"]
+    # each kernel once (gather='model'), or once forward and once again in the backward
+    # pass (gather='layer': its checkpoint gathers it again); the bias of 64 (128 bytes)
+    # in bfloat16
+    times = 2 if gather == "layer" else 1
+    bias = [c for c in bf16 if c.bytes == 64 * 2]
+    assert bias and len(found) == len(fp8) + len(bf16), found
+    kernels = fp8 if on else [c for c in bf16 if c not in bias]
+    assert not (on and len(bias) != len(bf16)) and not (fp8 and not on), found
+    runs[on] = (*run(train, state), sum(c.bytes for c in kernels))
+  (s_on, l_on, b_on), (s_off, l_off, b_off) = runs[True], runs[False]
+  # the kernels' bytes halve: one byte an element (E4M3) against two (bfloat16)
+  assert (b_on, b_off) == (times * KERNELS, 2 * times * KERNELS), (b_on, b_off)
+  # bit for bit the bfloat16 gather's step: loss, updated params
+  np.testing.assert_array_equal(np.stack(l_on), np.stack(l_off))
+  for a, b in zip(leaves(s_on.params), leaves(s_off.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(leaves(s_on.params), leaves(one.params)):
+    np.testing.assert_allclose(a, b, rtol={rtol}, atol={atol})
+  print(gather, "ok", b_on, b_off, max(float(np.max(np.abs(a - b))) for a, b in
+                                      zip(leaves(s_on.params), leaves(one.params))))
+{extra}
+print("FP8-GATHER-OK")
+"""
+
+# A non-finite input: the step is skipped exactly (params unchanged), as with the bfloat16
+# gather; delayed scaling keeps its kernels on the bfloat16 gather; Linen and Equinox
+# models gather E4M3 kernels per layer and step bit for bit as with the switch off.
+_EXTRA = """
+train, state = make("model")
+bad = dict(batch, x=batch["x"].at[3, 2].set(jnp.inf))
+before = leaves(state.params)  # the step donates the state's buffers
+new, metrics = train.step(state, bad)
+assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+for a, b in zip(leaves(new.params), before):
+  np.testing.assert_array_equal(a, b)
+train, state = make("layer", policy="mixed_fp8")
+assert not [c for c in gathers(train, state) if c.dtype == "f8E4M3FN"]
+
+# Linen (read slices) and Equinox (policy views), per layer: E4M3 kernels, the same step
+import equinox as eqx
+import flax.linen as nn
+x, y = batch["x"], batch["y"]
+for lib in ("linen", "equinox"):
+  params = dict()
+  for on in (True, False):
+    train = jaxamp.make_train_step(
+        lambda m, b: jnp.mean(((m(b["x"]) if lib == "linen" else jax.vmap(m)(b["x"]))
+                               - b["y"]) ** 2),
+        optax.sgd(0.1), policy="mixed_fp8_current", sharding=jaxamp.ShardingConfig(
+            mesh=mesh, fp8_gather=on,
+            param_sharding=jaxamp.fsdp("data", min_size=64, gather="layer")))
+    if lib == "linen":
+      module = nn.Dense(16)
+      state = train.init(module, module.init(jax.random.key(0), x), x)
+    else:
+      state = train.init(eqx.nn.Linear(8, 16, key=jax.random.key(0)))
+    assert bool([c for c in gathers(train, state) if c.dtype == "f8E4M3FN"]) == on, lib
+    state, losses = run(train, state)
+    params[on] = leaves(state.params) + [np.stack(losses)]
+  for a, b in zip(params[True], params[False]):
+    np.testing.assert_array_equal(a, b)
+  print(lib, "ok")
+"""
+
+
+def _run_script(tmp_path, gathers, extra=""):
+  path = tmp_path / "fp8_gather.py"
+  path.write_text(_SCRIPT.format(root=ROOT, gathers=gathers, extra=extra,
+                                 rtol=RTOL, atol=ATOL))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {_FAST_COMPILE}")
+  proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "FP8-GATHER-OK" in proc.stdout, proc.stdout
+
+
+# Against one device the step differs as it does with the bfloat16 gather: with current
+# scaling each of the 8 devices quantizes its own part of the batch with its own scale.
+RTOL, ATOL = 2e-2, 2e-3
+
+
+@pytest.mark.slow
+def test_fsdp_per_layer_gathers_kernels_as_e4m3_bit_identical_on_8_devices(tmp_path):
+  _run_script(tmp_path, ("layer",))
+
+
+@pytest.mark.slow
+def test_fsdp_whole_model_gather_skip_delayed_scaling_linen_and_equinox_on_8_devices(
+    tmp_path):
+  _run_script(tmp_path, ("model",), _EXTRA)
