@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 import time
 import warnings
@@ -327,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parser.parse_args(argv)
   names = [n for n in candidates() if args.only is None or n in args.only or n == REFERENCE]
   info = report_lib.machine()
-  info["command"] = "python benchmarks/fp8_recipes.py " + " ".join(argv or sys.argv[1:])
+  info["command"] = "python benchmarks/fp8_recipes.py " + shlex.join(argv or sys.argv[1:])
   kept = args.out / "results.json"
   kept = json.loads(kept.read_text()) if kept.exists() else {}
   tables, runs_info = kept.get("tables", {}), kept.get("runs", {})
@@ -348,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "seeds")) == (args.steps, args.seeds)
     # Candidates run again replace their rows; with other steps or seeds the whole table.
     tables[task.label] = {**(tables.get(task.label, {}) if same else {}), **summarize(runs)}
-    runs_info[task.label] = this_run
+    runs_info[task.label] = (this_run if not same else {
+        **this_run, "command": f"{runs_info[task.label]['command']}`, then `{info['command']}",
+        "date": f"{runs_info[task.label]['date']} and {info['date']}"})
   timing = kept.get("timing", {})
   if args.rounds:
     timing = time_lm(LM(args), names, args.rounds)
