@@ -137,10 +137,12 @@ class NumericsLog:
           for kind, s in kinds.items():
             w.writerow([step, module, kind, *(s.get(k, "") for k in stats)])
 
-  def plot(self, path: str) -> None:
+  def plot(self, path: str) -> Any:
     """Draws the module x step heat maps of the underflow and overflow fractions (the
     worst kind of each module, compute dtype) and the loss scale by step, skipped steps
-    marked, into ``path`` (matplotlib: ``pip install matplotlib``)."""
+    marked, into ``path`` (matplotlib: ``pip install matplotlib``), and returns the
+    (closed) matplotlib ``Figure``: rows of the maps are :attr:`modules`, columns the
+    recorded steps in order."""
     try:
       import matplotlib  # pylint: disable=g-import-not-at-top
 
@@ -181,6 +183,7 @@ class NumericsLog:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return fig
 
 
 def _suffix(against: str | None) -> str:

@@ -103,11 +103,34 @@ def test_suggest_policy_refuses_bad_input():
 
 
 @pytest.mark.slow
-def test_plot_writes_an_image(tmp_path):
+def test_plot_draws_the_logs_fractions_and_loss_scales(tmp_path):
   pytest.importorskip("matplotlib")
   path = tmp_path / "n.png"
-  sample_log().plot(str(path))
+  log = sample_log()
+  fig = log.plot(str(path))
   assert path.read_bytes()[:4] == b"\x89PNG"
+  under_ax, over_ax, scale_ax = fig.axes[:3]  # (the two colorbars come after)
+  # Heat maps: module x recorded step, the worst kind's fraction (NaN where a module
+  # has no record at that step).
+  assert [t.get_text() for t in under_ax.get_yticklabels()] == list(log.modules)
+  assert [t.get_text() for t in under_ax.get_xticklabels()] == ["0", "2"]
+  expected = {"underflow": np.full((len(log.modules), 2), np.nan),
+              "overflow": np.full((len(log.modules), 2), np.nan)}
+  for j, step in enumerate((0, 2)):
+    for i, m in enumerate(log.modules):
+      for stat, grid in expected.items():
+        vals = [k[stat] for k in log.records[step].get(m, {}).values()]
+        if vals:
+          grid[i, j] = max(vals)
+  for ax, stat in ((under_ax, "underflow"), (over_ax, "overflow")):
+    np.testing.assert_array_equal(np.asarray(ax.get_images()[0].get_array().filled(np.nan)),
+                                  expected[stat])
+  assert expected["overflow"][list(log.modules).index("hot")].tolist() == [0.25, 0.5]
+  # The loss scale at every step, the skipped one marked.
+  (line,) = scale_ax.get_lines()
+  np.testing.assert_array_equal(line.get_xdata(), [0, 1, 2])
+  np.testing.assert_array_equal(line.get_ydata(), [2.0 ** 15, 2.0 ** 14, 2.0 ** 15])
+  np.testing.assert_array_equal(scale_ax.collections[0].get_offsets(), [[1, 2.0 ** 14]])
 
 
 def needy_model():
