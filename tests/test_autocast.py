@@ -708,6 +708,7 @@ def test_transformer_casts_and_residuals_at_most_hand_set(losses):
   assert 0 < auto.residual_bytes <= by_hand.residual_bytes
 
 
+@pytest.mark.slow
 def test_float16_gelu_keeps_its_powers_in_float32_so_gradients_stay_finite():
   """Why float16 O1 keeps ``jax.nn.gelu``'s ``x**3`` in float32 (and so casts more bytes
   than a hand-set float16 model): in float16 the backward pass of ``x**3`` overflows

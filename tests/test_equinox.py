@@ -124,6 +124,7 @@ def runs(batches):
 # --- policies and the view ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_module_policies_put_norms_in_float32_and_the_rest_in_the_policy():
   rows = {path: (cls, p) for path, cls, p in
           amp_eqx.module_policies(lm(), "mixed_bfloat16")}

@@ -314,6 +314,7 @@ def test_class_rule_covers_subclasses():
   assert ops == [(F32, F32)] * 4
 
 
+@pytest.mark.slow
 def test_path_glob_rules_and_precedence():
   rules = {nn.Dense: "mixed_float16", "mlp/**": "float32", "head": "mixed_bfloat16"}
   with jaxamp.policy_rules(rules):

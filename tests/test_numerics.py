@@ -281,6 +281,7 @@ def test_mesh_gives_global_figures(tmp_path):
   assert "ok" in out
 
 
+@pytest.mark.slow
 def test_step_picks_the_program_on_the_host_without_reading_the_device(monkeypatch):
   """train.step runs the plain or the recording program as the schedule says, reading
   the step counter from the device only for a state it did not return."""

@@ -234,6 +234,7 @@ def test_params_stored_in_each_modules_param_dtype(api):
   assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_a_users_norm_rule_beats_the_opt_levels(api):
   bn = nnx.BatchNorm if api == "nnx" else nn.BatchNorm
