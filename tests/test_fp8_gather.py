@@ -151,7 +151,9 @@ for gather in {gathers!r}:
     runs[on] = (*run(train, state), sum(c.bytes for c in kernels))
   (s_on, l_on, b_on), (s_off, l_off, b_off) = runs[True], runs[False]
   # the kernels' bytes halve: one byte an element (E4M3) against two (bfloat16)
-  assert (b_on, b_off) == (times * KERNELS, 2 * times * KERNELS), (b_on, b_off)
+  # (gather='layer': jax 0.10 re-gathers both kernels in the backward pass, jax 0.11 one
+  # of them, 2560 bytes; every kernel is gathered at least once, and the halving holds)
+  assert b_off == 2 * b_on and KERNELS <= b_on <= times * KERNELS, (b_on, b_off)
   # bit for bit the bfloat16 gather's step: loss, updated params
   np.testing.assert_array_equal(np.stack(l_on), np.stack(l_off))
   for a, b in zip(leaves(s_on.params), leaves(s_off.params)):
