@@ -106,19 +106,20 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
   return tuple(out)
 
 
-def _fp8_gathered(params: Any, fp8_rows: list[Any] | None,
+def _fp8_gathered(params: Any, recipes: Mapping[str, Any],
                   holders: Mapping[str, list[str]]) -> list[Any]:
-  """Per param leaf, the recipe of the scaled-format module whose kernel it is (its
-  ``kernel`` or ``weight``, held by that module alone), or None: the leaves the sharded
-  step may gather in that format (``ShardingConfig.fp8_gather``). Modules without state
-  (stacked layers of a scan, lifted Linen modules) read one layer of their kernel and are
-  left out: one scale for the whole stack would not be theirs."""
-  recipes = fp8_lib.recipes_of(fp8_rows or [])
+  """Per param leaf, the recipe (in ``recipes``: those of the modules keeping scaled-format
+  state) of the module whose kernel it is (its ``kernel`` or ``weight``, held by that
+  module alone), or None: the leaves the sharded step may gather in that format
+  (``ShardingConfig.fp8_gather``). Modules without state (stacked layers of a scan,
+  lifted Linen modules) read one layer of their kernel and are left out: one scale for
+  the whole stack would not be theirs."""
   out = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-    module, _, field = leaf_name(path).rpartition("/")
-    shared = leaf_name(path) in holders
-    out.append(recipes.get(module) if field in ("kernel", "weight") and not shared else None)
+    leaf = leaf_name(path)
+    module, _, field = leaf.rpartition("/")
+    kernel = field in ("kernel", "weight") and leaf not in holders
+    out.append(recipes.get(module) if kernel else None)
   return out
 
 
@@ -219,12 +220,14 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
                 if options.sharding.mesh is not None else None)
   # The Variables' types and metadata are read: the state holds plain trees.
   params, model_state, specs = map(library.plain, (params, model_state, specs))
+  scaled_recipes = (fp8_lib.recipes_of(split.fp8_rows) if split.fp8_rows is not None
+                    else {})
   shards, layer_gather = None, False
   if specs is not None:
     gather_dtypes = _gather_dtypes(params, rows, holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
-    quantized = (_fp8_gathered(params, split.fp8_rows, holders) if sharding.fp8_gather
+    quantized = (_fp8_gathered(params, scaled_recipes, holders) if sharding.fp8_gather
                  else [None] * len(spec_leaves))
     shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
                             sharding.reduce_dtype(x.dtype))._replace(quantized=q)
@@ -263,8 +266,7 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
               param_apply=param_apply, recompute_norms=recompute,
               half_residuals=options.memory.half_residuals and _computes_in_half(options, rows),
               unit_scale=built.unit_scale, overflow=built.overflow,
-              scaled_recipes=(fp8_lib.recipes_of(split.fp8_rows)
-                              if split.fp8_rows is not None else {}),
+              scaled_recipes=scaled_recipes,
               param_specs=specs, gather_dtypes=gather_dtypes, shards=shards,
               layer_gather=layer_gather, rules=rules, state_reductions=reductions)
   return state, plan
