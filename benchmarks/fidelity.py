@@ -332,10 +332,7 @@ def render(results: dict[str, Any]) -> str:
       f"Measured by `{machine['command']}` on {machine['date']} ({results['seconds']:.0f} s). "
       "Generated file: rerun the script rather than editing it.",
       "",
-      f"Machine: {machine['cpu']}, {machine['cpu_cores']} cores ({machine['backend']}), "
-      f"Python {machine['python']}, " + ", ".join(f"{k} {v}" for k, v in
-                                                   machine["versions"].items())
-      + f", jaxamp git {machine['git']}.",
+      report.machine_line(machine),
       "",
       f"Setup: flaxmodels ResNet-18 (`output='logits'`, random init), Adam {cfg['lr']:g}, "
       f"batch {cfg['batch']}, {cfg['steps']} steps "

@@ -105,9 +105,7 @@ def main(argv=None):
   lines = ["# Numerics monitor cost", "",
            f"Measured by `{info['command']}` on {info['date']}. Generated file: rerun the "
            "script rather than editing it.", "",
-           f"Machine: {info['cpu']}, {info['cpu_cores']} cores ({info['backend']}), Python "
-           f"{info['python']}, " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-           + f", jaxamp git {info['git']}.", "",
+           report_lib.machine_line(info), "",
            f"Each round: {args.calls} steps of each program, interleaved, {args.rounds} rounds; "
            "ratio: the median of the per-round ratios (every=100 / None), with their "
            "interquartile range.", "",

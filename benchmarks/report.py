@@ -108,6 +108,14 @@ def machine() -> dict[str, Any]:
   }
 
 
+def machine_line(info: dict[str, Any], git: bool = True) -> str:
+  """One sentence naming the machine of :func:`machine`'s ``info``: CPU, cores, backend,
+  Python, package versions and (``git``) jaxamp's revision."""
+  return (f"Machine: {info['cpu']}, {info['cpu_cores']} cores ({info['backend']}), Python "
+          f"{info['python']}, " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+          + (f", jaxamp git {info['git']}." if git else "."))
+
+
 def peak_tflops(device_kind: str, policy: str) -> float | None:
   """The datasheet dense peak for the dtype ``policy`` computes in, or None."""
   if "fp8" in policy:
