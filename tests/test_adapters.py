@@ -109,6 +109,7 @@ def _sums(tree):
   return [float(jnp.sum(x)) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_train_step_entry_points(case):
   name, case = case
   model, variables, args = case.make()

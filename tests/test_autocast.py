@@ -524,6 +524,7 @@ def test_custom_vjp_rule_kept_and_forward_autocast():
 
 # --- what is cast and what is not ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_integers_bools_and_keys_are_never_cast():
   table = jax.random.normal(jax.random.key(0), (10, 4))
 

@@ -483,6 +483,7 @@ def test_fp8_with_a_mesh_maxes_amaxes_across_devices(tmp_path):
 
 @pytest.mark.parametrize("spec,kshape", [("btd,dnh->btnh", (8, 2, 3)),
                                          ("bd,dh->hb", (8, 5))])  # kernel first in the dot
+@pytest.mark.slow
 def test_scaled_einsum_matches_an_emulated_product_with_rows_in_place(spec, kshape):
   rng = np.random.RandomState(0)
   x = (rng.randn(4, 8) if spec.startswith("bd") else rng.randn(4, 3, 8)).astype(np.float32)
@@ -512,6 +513,7 @@ def test_scaled_einsum_matches_an_emulated_product_with_rows_in_place(spec, ksha
   np.testing.assert_array_equal(np.asarray(new[:, 0]), [np.abs(x).max(), np.abs(k).max(), 1.0])
 
 
+@pytest.mark.slow
 def test_nnx_einsum_runs_fp8_with_its_state():
   class Proj(nnx.Module):
     def __init__(self):
@@ -676,6 +678,7 @@ def test_fallback_to_current_scaling_warns_with_the_head_out_of_fp8(make, layer,
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_nnx_remat_layers_keep_their_delayed_state(fresh_warnings):
   """Layers called through nnx.remat (copies of the modules, made inside it) read and
   move their own delayed-scaling state: the same histories and params as without

@@ -92,6 +92,7 @@ def test_a_parameter_out_of_float16_range_is_refused_not_stored_as_inf():
     jaxamp.convert_for_inference(variables, x, module=module, policy="mixed_float16")
 
 
+@pytest.mark.slow
 def test_equinox_conversion_stores_each_module_in_its_compute_dtype():
   eqx = pytest.importorskip("equinox")
   import jaxamp.equinox as amp_eqx  # pylint: disable=g-import-not-at-top

@@ -331,6 +331,7 @@ def test_path_glob_rules_and_precedence():
   assert out.dtype == BF16
 
 
+@pytest.mark.slow
 def test_norm_default_is_overridable():
   x = X3.astype(jnp.bfloat16)
   default = jl.with_policy(nn.LayerNorm(), "mixed_bfloat16")

@@ -185,6 +185,7 @@ def snapshot(model):
   return nodes, variables
 
 
+@pytest.mark.slow
 def test_state_is_restored_after_call_and_error():
   model = make("lm")
   tokens, _ = batch("lm")
@@ -441,6 +442,7 @@ class Scanned(nnx.Module):
     return nnx.remat(lambda layer, x: layer(x))(self.last, body(x, self.layers))
 
 
+@pytest.mark.slow
 def test_modules_recreated_by_nnx_transforms_keep_their_policy():
   model = Scanned(nnx.Rngs(0))
   amp = with_policy(model, "mixed_bfloat16")
@@ -558,6 +560,7 @@ def test_transformer_forward_backward_runs_and_matches_float32(policy):
     assert err <= MODEL_TOL[half] * max(np.linalg.norm(want), floor)
 
 
+@pytest.mark.slow
 def test_cnn_nnx_jit_train_step_keeps_batch_stats_float32():
   images, labels = batch("cnn")
   ref, model = make("cnn"), make("cnn")
@@ -679,6 +682,7 @@ def test_an_indexable_model_is_indexed_through_the_wrapper_under_the_policy():
     plain[0]  # pylint: disable=pointless-statement
 
 
+@pytest.mark.slow
 def test_census_gives_matmuls_inside_nnx_scan_to_their_modules():
   """nnx.scan re-creates the layers inside the call: the census still finds their module
   (it was the root before, so a float32 rule warned of a hard-coded float32 matmul)."""

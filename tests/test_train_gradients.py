@@ -138,6 +138,7 @@ def test_grad_accumulation_skips_whole_step_when_one_micro_batch_overflows():
   assert int(metrics["skipped_steps"]) == 1
 
 
+@pytest.mark.slow
 def test_grad_accumulation_combines_aux_as_the_whole_batch():
   batch = make_batches(1, size=16)[0]
   batch["y"][:] = np.where(batch["y"] == 3, 0, batch["y"])
@@ -328,6 +329,7 @@ def test_o1_computes_the_loss_against_float32_targets_in_float32():
   assert any("dot_general" in line and "bf16" in line for line in text.splitlines())
 
 
+@pytest.mark.slow
 def test_grad_accumulation_keeps_half_gradient_dtypes():
   # bfloat16 params without master weights: Adam's moments are bfloat16 and must stay so.
   train = jaxamp.make_train_step(loss_fn, optax.adam(1e-3), policy="bfloat16",

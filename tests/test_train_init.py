@@ -14,6 +14,7 @@ import jaxamp
 from train_helpers import LinenNet, NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches, param_dtypes
 
 
+@pytest.mark.slow
 def test_an_nnx_state_holds_plain_dicts_and_no_key():
   # JAX flattens an nnx.State and each nnx.Variable with Python code on every jitted call
   # (benchmarks/dispatch): the state holds the nested dicts nnx.to_pure_dict makes, which
@@ -42,6 +43,7 @@ def test_an_nnx_state_holds_plain_dicts_and_no_key():
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.slow
 def test_the_model_given_to_init_stays_usable_unless_donated(api):
   """init copies the arrays the state would share with the model (the donating step
   would delete them): the model still runs, unchanged. With donate_model=True the state
@@ -84,6 +86,7 @@ def _trained(train, state, steps=2):
   return state
 
 
+@pytest.mark.slow
 def test_two_params_from_one_array_train_apart_as_under_nnx_jit():
   """XLA refused to donate the one buffer twice; now each parameter gets its own
   buffer and its own updates, as under nnx.jit and as two separate arrays would."""
