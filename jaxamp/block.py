@@ -308,6 +308,15 @@ class BlockFp8(scaled.ScaledFormat):
     """One of the three matmuls (:meth:`jaxamp.scaled.ScaledFormat.product`)."""
     return _tiled_dot(a, b, *_blocks(recipe, role), recipe.power_of_two)
 
+  def whatif(self, x: jax.Array, role: str, recipe: BlockScaling) -> tuple[jax.Array, Any]:
+    """The numerics monitor's what-if (:attr:`jaxamp.scaled.ScaledFormat.whatif`): an
+    input or output gradient scaled per ``1 x act_block`` tile along its contraction (the
+    features; the tokens in the weight-gradient product), E4M3."""
+    del role  # every layout alike
+    tile = (1, recipe.act_block)
+    s = block_scale(x, tile, E4M3, recipe.power_of_two)
+    return x.astype(_F32) * _per_element(s, tile, x.shape), E4M3
+
   def describe(self, recipe: BlockScaling) -> str:
     """``'fp8 e4m3fn, 1x128 act / 128x128 weight blocks'`` (``', pow2 scales'`` added
     with ``power_of_two``)."""

@@ -246,7 +246,8 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
       _LIBRARY, info.policy, args, kwargs, call=lambda a, k: run(module, a, k, tie),
       recomputed=lambda r: eqx.filter_checkpoint(cast_and_run, policy=r.policy)(
           module, args, kwargs, tie),
-      remat=remat, scope=info.scope, output_dtype=info.output_dtype, path=info.path)
+      remat=remat, scope=info.scope, output_dtype=info.output_dtype, path=info.path,
+      layer=info.base)
 
 
 def fp8_classes() -> tuple[type, ...]:

@@ -565,11 +565,14 @@ def named_layer(cls: type) -> bool:
   return any((c.__module__, c.__name__) in NAMED_LAYERS for c in cls.__mro__)
 
 
+def hooks(cls: type) -> bool:
+  """Whether FP8 hooks the matmul of a module of class ``cls`` (under an FP8 policy)."""
+  return named_layer(cls) or any(issubclass(cls, classes()) for classes in _hooked)
+
+
 def runs_fp8(cls: type, policy: Any) -> bool:
   """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
-  if getattr(policy, "fp8", None) is None:
-    return False
-  if not (named_layer(cls) or any(issubclass(cls, classes()) for classes in _hooked)):
+  if getattr(policy, "fp8", None) is None or not hooks(cls):
     return False
   return not is_conv(cls) or scaled.runs_conv(policy.fp8)
 

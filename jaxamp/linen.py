@@ -494,7 +494,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
             recomputed=lambda r: recomputed(module, path, context, args, kwargs, compute,
                                             r.policy, tie=owns),
             remat=remat, widen=False,  # an nn.scan carry goes back as it came, below
-            path=lambda: "/".join(map(str, path)))
+            path=lambda: "/".join(map(str, path)),
+            layer=type(module) if context.method_name == "__call__" else None)
     finally:
       running.pop()
     if (args and linen_is_lifted_body(module) and type(out) is tuple and out

@@ -252,7 +252,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
                recomputed: Callable[[Remat], Any] | None,
                remat: Remat | None = None, scope: int | None = None,
                output_dtype: Any = None, widen: bool = True,
-               path: str | Callable[[], str | None] | None = None) -> Any:
+               path: str | Callable[[], str | None] | None = None,
+               layer: type | None = None) -> Any:
   """One module call under ``policy``.
 
   Args:
@@ -269,6 +270,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
     widen: False hands the outputs back as they came (the library casts them).
     path: the module's path (or a function giving it), which the numerics monitor
       (:mod:`jaxamp.numerics`) records its outputs under; read only while it records.
+    layer: the module's class: a layer FP8 can run (:func:`jaxamp.fp8.hooks`) has its
+      inputs recorded too.
 
   Returns:
     The module's output, floating arrays in ``output_dtype``.
@@ -281,7 +284,8 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
       out = call(cast_values(args, compute, library.keep),
                  cast_values(kwargs, compute, library.keep))
   if numerics.current() is not None:
-    out = numerics.observe(path, compute, out, library.keep)
+    inputs = (args, kwargs) if layer is not None and fp8_lib.hooks(layer) else None
+    out = numerics.observe(path, compute, out, library.keep, inputs)
   if not widen:
     return out
   dtype = policy.output_dtype if output_dtype is None else output_dtype

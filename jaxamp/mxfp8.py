@@ -351,6 +351,17 @@ class MXFP8(scaled.ScaledFormat):
   def stateless_warning(self, recipe: MXFP8Scaling, what: str) -> str | None:
     return None  # each block's scale is of this pass: the same without state
 
+  def whatif(self, x: jax.Array, role: str, recipe: MXFP8Scaling) -> tuple[jax.Array, Any]:
+    """The numerics monitor's what-if (:attr:`jaxamp.scaled.ScaledFormat.whatif`): each
+    block of 32 along the contraction divided by its power-of-two scale, E4M3 (the
+    ``'ocp'`` rule's largest values exceed 448: they saturate)."""
+    del role  # E4M3 for every operand, every layout
+    xb = _blocks(x)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    e = block_exponents(jnp.where(jnp.isfinite(amax), amax, 0.0), recipe.scale_rule)
+    y = _times_pow2(xb, -e[..., None])
+    return y.reshape(xb.shape[:-2] + (-1,))[..., :x.shape[-1]], E4M3
+
   def describe(self, recipe: MXFP8Scaling) -> str:
     """What a report prints for a matmul run in this format.
 

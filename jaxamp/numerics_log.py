@@ -32,11 +32,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxamp import scaled
 from jaxamp.policy import get_policy
 
 __all__ = ["NumericsLog", "PolicySuggestion", "suggest_policy"]
 
-_KINDS = ("activation", "cotangent", "grad")
+_KINDS = ("activation", "cotangent", "grad", "input")
 
 
 class NumericsLog:
@@ -213,8 +214,23 @@ class PolicySuggestion(NamedTuple):
 # The record columns a target's compute dtype is judged by: (underflow, overflow).
 _COLUMNS = {"float16": ("underflow_float16", "overflow_float16"),
             "bfloat16": ("underflow_bfloat16", "overflow_bfloat16")}
-_FP8_COLUMNS = {"activation": "underflow_e4m3", "cotangent": "underflow_e5m2",
-                "grad": None}
+# Per-tensor FP8's what-if: an FP8 layer's input in E4M3, the gradient at its output in
+# E5M2, each scaled to its amax.
+_FP8_COLUMNS = {"input": "underflow_e4m3", "cotangent": "underflow_e5m2"}
+
+
+def _fp8_checks(target: str, recipe: Any, log: NumericsLog) -> dict[str, tuple[str, ...]]:
+  """The columns an FP8 target's what-if reads per kind: ``(underflow, overflow?)``."""
+  if getattr(scaled.format_of(recipe), "whatif", None) is None:  # per-tensor
+    return {kind: (col,) for kind, col in _FP8_COLUMNS.items()}
+  col = f"underflow_{target}"
+  if not any(col in s for r in log.records.values() for kinds in r.values()
+             for s in kinds.values()):
+    raise ValueError(f"suggest_policy(target={target!r}) reads the what-if of {target!r}'s "
+                     "scaling, which this log did not record: take it with "
+                     f"make_train_step(..., numerics=jaxamp.Numerics(every=N, "
+                     f"whatif=({target!r},))).")
+  return {kind: (col, f"overflow_{target}") for kind in _FP8_COLUMNS}
 
 
 def suggest_policy(log: NumericsLog, target: str = "mixed_float16", *,
@@ -225,10 +241,15 @@ def suggest_policy(log: NumericsLog, target: str = "mixed_float16", *,
 
   A module is kept when, at its worst recorded step, any value of a kind in ``kinds``
   reaches the target compute dtype's largest finite value (it would saturate to inf),
-  or more than ``underflow`` of its nonzero values fall below its smallest normal;
-  for an FP8 target also when more than ``underflow`` of its activations (E4M3) or
-  cotangents (E5M2) fall below the FP8 format's smallest normal once scaled to its
-  amax (an outlier-heavy layer). Gradients and cotangents are judged as the log
+  or more than ``underflow`` of its nonzero values fall below its smallest normal
+  (a module's input is not judged so: it is another's output); for an FP8 target also
+  a layer FP8 runs when more than ``underflow`` of its input or of the gradient at its
+  output falls below the FP8 format's smallest normal once scaled (an outlier-heavy
+  input), or some of it would saturate: per tensor (``'mixed_fp8'``,
+  ``'mixed_fp8_current'``: E4M3 input, E5M2 gradient, each scaled to its amax), or as
+  the target's recipe scales them (``'mixed_fp8_block'`` and the others
+  :func:`jaxamp.numerics.whatif_policies` lists: the log must be taken with
+  ``jaxamp.Numerics(whatif=(target,))``). Gradients and cotangents are judged as the log
   recorded them (times the loss scale of its run), except that for a float16 target a
   log taken without loss scaling (scale 1 throughout: float32, bfloat16) counts only
   the values that stay below the smallest normal times a loss scale of 2**15
@@ -257,6 +278,7 @@ def suggest_policy(log: NumericsLog, target: str = "mixed_float16", *,
   if bad:
     raise ValueError(f"suggest_policy kinds must be among {_KINDS}, got {bad}.")
   compute = np.dtype(policy.compute_dtype).name
+  fp8 = {} if policy.fp8 is None else _fp8_checks(target, policy.fp8, log)
   # A log without loss scaling (scale 1) judges gradients and cotangents as a float16
   # run's dynamic loss scale would lift them (numerics.LOSS_SCALE); a log with one, as
   # recorded.
@@ -270,7 +292,7 @@ def suggest_policy(log: NumericsLog, target: str = "mixed_float16", *,
       s = recorded.get(kind)
       if s is None:
         continue
-      if compute in _COLUMNS:
+      if compute in _COLUMNS and kind != "input":
         under_col, over_col = _COLUMNS[compute]
         if compute == "float16" and kind != "activation" and unscaled:
           under_col = "underflow_float16_ls"
@@ -281,11 +303,17 @@ def suggest_policy(log: NumericsLog, target: str = "mixed_float16", *,
           lifted = " even times a loss scale of 2**15" if under_col.endswith("_ls") else ""
           why.append(f"{s[under_col]:.1%} of nonzero {kind} values fall below {compute}'s "
                      f"smallest normal{lifted}")
-      col = _FP8_COLUMNS.get(kind) if policy.fp8 is not None else None
-      if col is not None and s.get(col, 0.0) > underflow:
-        fmt = "E4M3" if col.endswith("e4m3") else "E5M2"
-        why.append(f"{s[col]:.1%} of nonzero {kind} values fall below {fmt}'s smallest "
-                   "normal once scaled to their amax (outliers)")
+      # FP8: the layers it runs (those with an input record) by their input and gradient.
+      cols = fp8.get(kind, ()) if "input" in recorded else ()
+      if cols and s.get(cols[0], 0.0) > underflow:
+        scaling = ("E4M3" if cols[0].endswith("e4m3") else "E5M2" if cols[0].endswith("e5m2")
+                   else target)
+        why.append(f"{s[cols[0]]:.1%} of nonzero {kind} values fall below the smallest "
+                   f"normal once scaled ({scaling}{' per tensor' if len(cols) == 1 else ''}"
+                   ": outliers)")
+      if len(cols) > 1 and s.get(cols[1], 0.0) > 0:
+        why.append(f"{s[cols[1]]:.1%} of nonzero {kind} values saturate once scaled "
+                   f"({target})")
     if why:
       rules[path] = safer
       reasons[path] = "; ".join(why)

@@ -272,6 +272,16 @@ class RowwiseFp8(scaled.ScaledFormat):
     types = {"fwd": (E4M3, E4M3), "dgrad": (E5M2, E4M3), "wgrad": (E4M3, E5M2)}[role]
     return _scaled_dot(a, b, dims, *types, recipe.power_of_two)
 
+  def whatif(self, x: jax.Array, role: str, recipe: RowwiseScaling
+             ) -> tuple[jax.Array, Any] | None:
+    """The numerics monitor's what-if (:attr:`jaxamp.scaled.ScaledFormat.whatif`): each
+    row scaled to its amax, E4M3 for an input, E5M2 for an output gradient; none in the
+    weight-gradient product with ``wgrad_high_precision``."""
+    if role.endswith("_wgrad") and recipe.wgrad_high_precision:
+      return None
+    dtype = E4M3 if role.startswith("input") else E5M2
+    return x.astype(_F32) * row_scale(x, (x.ndim - 1,), dtype, recipe.power_of_two), dtype
+
   def describe(self, recipe: RowwiseScaling) -> str:
     """``'fp8 e4m3fn/e5m2 rowwise'``: E4M3 forward, E5M2 output gradient (``', pow2
     scales'``, ``', wgrad in compute dtype'`` with the options)."""

@@ -172,6 +172,20 @@ class ScaledFormat(abc.ABC):
   # gather's (straight-through). :mod:`jaxamp.fp8` defines it for current scaling.
   gather_quantized = None
 
+  # Optional: ``whatif(self, x, role, recipe) -> tuple[jax.Array, Any] | None``, what the
+  # numerics monitor's what-if measures (``jaxamp.Numerics(whatif=(policy name,))``):
+  # ``x``, 2-D with the contraction last, scaled as the format scales that operand of a
+  # layer's matmuls: ``role`` ``'input'`` (the forward product's input, ``[tokens,
+  # features]``), ``'grad'`` (the output gradient in the input-gradient product),
+  # ``'input_wgrad'`` / ``'grad_wgrad'`` (the same tensors transposed, ``[features,
+  # tokens]``, as the weight-gradient product reads them): the float32 values before
+  # their rounding and clipping to the FP8 format, and that format's dtype; None where
+  # that product does not quantize the operand. The monitor counts the nonzero values
+  # below the dtype's smallest normal in either layout (underflow) and those rounding
+  # past its largest (saturated). Per-tensor FP8 needs none: the monitor's ``e4m3`` /
+  # ``e5m2`` columns are its what-if, the layout making no difference.
+  whatif = None
+
   def stateless_warning(self, recipe: Any, what: str) -> str | None:
     """The warning for a module run in a train step without state (inside
     ``nnx.scan``, say), or None where the recipe needs none."""

@@ -96,6 +96,10 @@ def check_step(train, state, pa, pb, names):
   assert_stats(got[a]["cotangent"], dh, f32, "a cotangent")
   assert_stats(got[a]["grad"], [ga["bias"], ga["kernel"]], f32, "a grad")
   assert_stats(got[b]["grad"], [gb["bias"], gb["kernel"]], f32, "b grad")
+  # The layers FP8 runs record the input their matmul quantizes; the model, none.
+  assert_stats(got[a]["input"], X, f32, "a input")
+  assert_stats(got[b]["input"], np.maximum(h, 0), f32, "b input")
+  assert "input" not in got[""]
   return state, metrics
 
 
@@ -238,7 +242,103 @@ def test_grad_accumulation_combines_micro_batches():
     np.testing.assert_allclose(float(act2[k]), float(act1[k]), rtol=1e-6, err_msg=k)
 
 
+E4M3, E5M2 = (jnp.finfo(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
+def scaled_reference(rows, name, role):
+  """``|rows|`` (2-D, the contraction last) scaled as ``name``'s recipe scales a matmul
+  operand in ``role``, and its FP8 format, written from each rule in NumPy."""
+  rows = np.abs(np.asarray(rows, np.float64))
+  fmt = E5M2 if (name == "mixed_fp8_rowwise" and role == "grad") else E4M3
+  top = float(fmt.max)
+  if name == "mixed_mxfp8":  # 32-blocks, scale 2**ceil(log2(amax / 448)), OCP's E8M0 range
+    k = rows.shape[1]
+    b = np.pad(rows, [(0, 0), (0, -k % 32)]).reshape(rows.shape[0], -1, 32)
+    mant, ex = np.frexp(b.max(-1) / 448.0)  # amax / 448 = mant * 2**ex, mant in [0.5, 1)
+    e = np.clip(np.where(mant > 0.5, ex, ex - 1), -127, 127)
+    e = np.where(b.max(-1) == 0, -127, e)
+    return (b / 2.0 ** e[..., None]).reshape(rows.shape[0], -1)[:, :k], fmt
+  width = rows.shape[1] if name == "mixed_fp8_rowwise" else 128  # 1x128 tiles
+  out = np.empty_like(rows)
+  for j in range(0, rows.shape[1], width):
+    t = rows[:, j:j + width]
+    amax = t.max(1, keepdims=True)
+    out[:, j:j + width] = t * np.where(amax > 0, top / np.maximum(amax, 1e-12), 1.0)
+  return out, fmt
+
+
+def whatif_reference(xs, names, role):
+  """``underflow_<name>`` / ``overflow_<name>`` of the arrays ``xs`` by the rules: a
+  value counts if it is lost along its last axis (forward / input-gradient product) or
+  along its rows (the weight-gradient product, the transposed layout)."""
+  out = {}
+  for name in names:
+    under = over = nonzero = 0
+    for x in xs:
+      rows = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+      nz = rows != 0
+      nonzero += nz.sum()
+      lost, sat = np.zeros(rows.shape, bool), np.zeros(rows.shape, bool)
+      for layout in (rows, rows.T):
+        v, fmt = scaled_reference(layout, name, role)
+        v = v.T if layout is not rows else v
+        # Saturated: past the largest value by more than half its spacing (E4M3: 464).
+        top = float(fmt.max) + 2.0 ** np.floor(np.log2(float(fmt.max))) * float(fmt.eps) / 2
+        lost, sat = lost | (v < float(fmt.tiny)), sat | (v > top)
+      under, over = under + np.sum(nz & lost), over + np.sum(nz & sat)
+    out[f"underflow_{name}"] = under / max(nonzero, 1)
+    out[f"overflow_{name}"] = over / max(nonzero, 1)
+  return out
+
+
+def test_whatif_figures_follow_each_recipe_rule():
+  """Numerics(whatif=...): each block- or row-scaled recipe's underflow and saturation
+  of a layer's input and of the cotangent at its output, in the layouts of the forward,
+  input-gradient and weight-gradient products, equal the recipe's rule recomputed in
+  NumPy; 160 input features: two 1x128 tiles, five MX blocks."""
+  from flax import nnx
+
+  names = numerics.whatif_policies()
+  assert set(names) >= {"mixed_fp8_rowwise", "mixed_fp8_block", "mixed_mxfp8"}
+  x = spread(5, (6, 160), -9, 3)
+  layer = nnx.Linear(160, 3, rngs=nnx.Rngs(0))
+  layer.kernel[...] = spread(6, (160, 3), -3, 0)
+  train = jaxamp.make_train_step(loss, optax.sgd(0.0), policy="float32",
+                                 numerics=jaxamp.Numerics(every=1, whatif=names))
+  _, metrics = train.step(train.init(layer), x)
+  got = metrics["numerics"][""]
+  y = x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
+  dy = (2 * y / y.size).astype(np.float32)
+  for kind, xs, role in (("input", [x], "input"), ("activation", [y], "input"),
+                         ("cotangent", [dy], "grad")):
+    want = whatif_reference(xs, names, role)
+    assert set(got[kind]) == set(numerics.STATS) | set(want)
+    for k, v in want.items():
+      np.testing.assert_allclose(float(got[kind][k]), v, rtol=1e-6, atol=1e-12,
+                                 err_msg=f"{kind}: {k}")
+  # The cases differ: an input spanning 12 decades underflows per tensor more than per
+  # row, per tile, per 32-block.
+  u = {n: float(got["input"][f"underflow_{n}"]) for n in names}
+  assert float(got["input"]["underflow_e4m3"]) > u["mixed_fp8_rowwise"] > 0
+  assert u["mixed_fp8_rowwise"] >= u["mixed_fp8_block"] >= u["mixed_mxfp8"]
+
+
+def test_ocp_rule_saturates_in_the_whatif():
+  """MXFP8's OCP scale rule, 2**(floor(log2 amax) - 8), leaves a block's amax at 256..512:
+  above 448 it saturates, which the what-if counts (the round-up rule never does)."""
+  fmt = jaxamp.scaled.format_of(jaxamp.MXFP8Scaling(scale_rule="ocp"))
+  x = jnp.array([[500.0, 1.0] + [0.0] * 30 + [300.0, 2.0] + [0.0] * 30])
+  v, dtype = fmt.whatif(x, "input", jaxamp.MXFP8Scaling(scale_rule="ocp"))
+  assert dtype == jnp.float8_e4m3fn
+  assert v[0, 0] == 500.0 and v[0, 32] == 300.0  # scale 1 in both blocks: 500 > 464
+  v, _ = fmt.whatif(x, "input", jaxamp.MXFP8Scaling())
+  assert float(jnp.max(v)) <= 448.0
+
+
 def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match="Numerics.whatif takes .*'mixed_fp8_block'.*got 'mixed_fp8'"):
+    jaxamp.Numerics(whatif=("mixed_fp8",))
+  assert jaxamp.Numerics(whatif="mixed_mxfp8").whatif == ("mixed_mxfp8",)
   with pytest.raises(ValueError, match="Numerics.every must be a positive int"):
     jaxamp.Numerics(every=-1)
   with pytest.raises(ValueError, match="DebugConfig.numerics must be a jaxamp.Numerics"):

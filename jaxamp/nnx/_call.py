@@ -236,7 +236,8 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
         recomputed=lambda r: _recomputed(module, fn, compute, args, kwargs, r.policy,
                                          tied=r.regather),
         remat=remat, scope=vars(module).get(_SCOPE_ATTR) if call.scopes is not None else None,
-        widen=False, path=lambda: numerics.name_of(module))  # widened below, once the module is as it was
+        widen=False, path=lambda: numerics.name_of(module),  # widened below, once the module is as it was
+        layer=type(module))
   finally:
     for step in reversed(undo):
       step()

@@ -67,12 +67,14 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
   used: set[str] = set()  # modules of a scaled format that ran, known once traced
 
   keys: list[Any] = []  # the numerics taps, listed by a discovery pass
+  input_keys: list[Any] = []
+  whatif = options.debug.numerics.formats if watch is not None else ()
 
   def scaled_loss(p, sc, ms, mb, key, probes=None):
     # A scope even with no state, if some layer runs a scaled format: those that run
     # without state (all inside scans, say) warn.
     record = bool(sc) or asks_for_scaled(options.policy)
-    watching = (numerics_lib.scope(probes, axes)
+    watching = (numerics_lib.scope(probes, axes, whatif)
                 if watch is not None else contextlib.nullcontext())
     with watching as seen, scaled_lib.state_scope(sc, record=record) as scope, \
         gather_lib.prefetching(plan.prefetch):
@@ -85,7 +87,7 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
       return loss * weight, (loss, aux, new_state())
     watch.dtypes.update(seen.dtypes)
     if probes is None:
-      keys[:] = seen.keys
+      keys[:], input_keys[:] = seen.keys, seen.input_keys
     return loss * weight, (loss, aux, new_state())
 
   loss = autocast_under_level(options, scaled_loss, batch_argnum=3)
@@ -104,8 +106,10 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
       (g, sc_cot), out = raw_grad_fn(p, sc, ms, mb, key)
     else:  # a discovery pass lists the outputs to tap (shapes only, nothing runs)
       jax.eval_shape(loss, p, sc, ms, mb, key, None)
-      zeros = {k: jnp.zeros((numerics_lib.SIZE,), jnp.float32) for k in keys}
-      probes = {"activation": zeros, "cotangent": dict(zeros)}
+      zero = jnp.zeros((numerics_lib.size(whatif),), jnp.float32)
+      zeros = dict.fromkeys(keys, zero)
+      probes = {"activation": zeros, "cotangent": dict(zeros),
+                "input": dict.fromkeys(input_keys, zero)}
       (g, sc_cot, probe_cot), out = raw_grad_fn(p, sc, ms, mb, key, probes)
     _check_same_structure(ms, out[2])
     if changed is not None:  # unchanged leaves come back as the very tracers passed in

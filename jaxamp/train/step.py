@@ -79,7 +79,8 @@ def _step(plan: Plan, state: TrainState, batch: Any, watch: watch_lib.Watch | No
   metrics = _metrics(plan, state, new, out.grads, out.loss, out.aux)
   if watch is not None:
     metrics["numerics"] = watch_lib.report(watch, out.numerics, out.grads,
-                                           options.policy.compute_dtype)
+                                           options.policy.compute_dtype,
+                                           options.debug.numerics.formats)
   return new_state, metrics
 
 

@@ -9,7 +9,7 @@ as two programs and picks one per call on the host (:class:`Schedule`), adding
 other steps run exactly the program without the monitor; the gradient stage fills the watch while the loss traces
 and returns the activation and cotangent records; :func:`report` adds the parameter
 gradients' and shapes them per module path:
-``{path: {'activation' | 'cotangent' | 'grad': {stat: value}}}``, every value a float32
+``{path: {'activation' | 'cotangent' | 'grad' | 'input': {stat: value}}}``, every value a float32
 scalar, NaN on the steps that do not record.
 """
 
@@ -124,8 +124,8 @@ def _owner(name: str, modules: list[str]) -> str:
   return name.rpartition("/")[0]
 
 
-def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any
-           ) -> dict[str, Any]:
+def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any,
+           whatif: Any = ()) -> dict[str, Any]:
   """``metrics['numerics']``: the gradient stage's records and each parameter gradient's (as the backward pass left it: times the loss
   scale, against the owning module's compute dtype; ``default_dtype`` where no call of
   it was observed), per module path."""
@@ -136,12 +136,13 @@ def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any
     if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating):
       grouped.setdefault(_owner(leaf_name(path), modules), []).append(g)
   raw: dict[str, dict[str, jax.Array]] = {}
-  for kind in ("activation", "cotangent"):
+  for kind in ("activation", "cotangent", "input"):
     for path, r in seen[kind].items():
       raw.setdefault(path, {})[kind] = r
   for path, leaves in grouped.items():
     dtype = np.dtype(watch.dtypes.get(path, default_dtype))
     raw.setdefault(path, {})["grad"] = functools.reduce(
-        numerics_lib.combine, [numerics_lib.tensor_stats(x, dtype) for x in leaves])
-  return {path: {kind: numerics_lib.summarize(r) for kind, r in sorted(kinds.items())}
+        numerics_lib.combine, [numerics_lib.tensor_stats(x, dtype, None, whatif, "grad")
+                               for x in leaves])
+  return {path: {kind: numerics_lib.summarize(r, whatif) for kind, r in sorted(kinds.items())}
           for path, kinds in sorted(raw.items())}
