@@ -42,7 +42,8 @@ import numpy as np
 from jaxamp import scaled
 from jaxamp.policy import get_policy
 
-__all__ = ["Numerics", "STATS", "KINDS", "tensor_stats", "combine", "summarize",
+__all__ = ["Numerics", "STATS", "KINDS", "whatif_policies", "stats", "size", "tensor_stats",
+           "combine", "summarize",
            "observe", "scope", "current", "name_modules", "name_of", "nan_stats"]
 
 KINDS = ("activation", "cotangent", "grad", "input")
@@ -130,15 +131,15 @@ class Numerics:
 
 def whatif_policies() -> tuple[str, ...]:
   """The policy names :attr:`Numerics.whatif` takes: the registered scaled formats'
-  policies whose format defines :attr:`jaxamp.scaled.ScaledFormat.whatif`.
+  policies whose format defines :attr:`jaxamp.scaled.ScaledFormat.whatif`, sorted.
 
   Example:
     >>> from jaxamp import numerics
     >>> numerics.whatif_policies()
-    ('mixed_fp8_rowwise', 'mixed_fp8_block', 'mixed_mxfp8')
+    ('mixed_fp8_block', 'mixed_fp8_rowwise', 'mixed_mxfp8')
   """
-  return tuple(n for n in scaled.policy_names()
-               if getattr(scaled.format_of(scaled.policy_recipe(n)), "whatif", None) is not None)
+  return tuple(sorted(n for n in scaled.policy_names() if getattr(
+      scaled.format_of(scaled.policy_recipe(n)), "whatif", None) is not None))
 
 
 def _finfo(name: str) -> Any:

@@ -81,6 +81,7 @@ _STATED_OUTPUT = {
     ("guides/third_party.md", 0): ["1.0"],
     ("guides/checking_precision.md", 1): ["1.0"],
     ("guides/debugging.md", 0): ["['big', 'tiny']"],
+    ("guides/debugging.md", 1): ["{'mix': 'mixed_bfloat16'}"],
     ("guides/migrating.md", 0): ["params=float32,compute=bfloat16,output=float32"],
 }
 
