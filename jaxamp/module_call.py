@@ -285,7 +285,7 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
                  cast_values(kwargs, compute, library.keep))
   if numerics.current() is not None:
     inputs = (args, kwargs) if layer is not None and fp8_lib.hooks(layer) else None
-    out = numerics.observe(path, compute, out, library.keep, inputs)
+    out = numerics.observe(path, compute, out, library.keep, inputs, layer)
   if not widen:
     return out
   dtype = policy.output_dtype if output_dtype is None else output_dtype

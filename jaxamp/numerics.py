@@ -39,12 +39,12 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import scaled
+from jaxamp import _warn_once, scaled
 from jaxamp.policy import get_policy
 
 __all__ = ["Numerics", "STATS", "KINDS", "whatif_policies", "stats", "size", "tensor_stats",
            "combine", "summarize",
-           "observe", "scope", "current", "name_modules", "name_of", "nan_stats"]
+           "observe", "scope", "current", "name_modules", "name_of", "nan_stats", "warn_unobserved"]
 
 KINDS = ("activation", "cotangent", "grad", "input")
 
@@ -343,20 +343,25 @@ def _inside_own_trace(s: _Scope, leaves: list[Any]) -> bool:
 
 
 def observe(path: str | Callable[[], str | None] | None, compute: Any, out: Any,
-            keep: Callable[[Any], bool] | None = None, inputs: Any = None) -> Any:
+            keep: Callable[[Any], bool] | None = None, inputs: Any = None,
+            layer: type | None = None) -> Any:
   """What a module call does in a recording scope: taps each floating output, so that
   the forward pass records its statistics against ``compute`` and the backward pass
   those of the cotangent arriving there (both handed out as cotangents of the scope's
   probes); given ``inputs`` (a layer FP8 can run), its first tapped output also carries
   the record of their floating leaves. Returns ``out`` (tapped). Outside a scope, for a
   module with no known path, or inside a transform of its own other than ``jax.vmap``
-  (``lax.scan``, a checkpoint) it returns ``out`` as it is."""
+  (``lax.scan``, a checkpoint) it returns ``out`` as it is, the last two noted in the
+  scope's ``unobserved`` (by path, or by ``layer``'s class name) for
+  :func:`warn_unobserved`."""
   s = current()
   if s is None:
     return out
   if callable(path):
     path = path()
   if path is None:
+    if layer is not None:  # an NNX module copied inside a transform (nnx.scan, nnx.remat)
+      s.unobserved.add(f"a {layer.__name__} (no path: made inside a transform)")
     return out
   leaves, treedef = jax.tree.flatten(out, is_leaf=keep)
   where = [i for i, x in enumerate(leaves) if _floating(x)]
@@ -387,6 +392,23 @@ def observe(path: str | Callable[[], str | None] | None, compute: Any, out: Any,
                        carried, dtype, s.axes, s.whatif)
       carried = None
   return jax.tree.unflatten(treedef, leaves)
+
+
+def warn_unobserved(s: _Scope) -> None:
+  """Warns once of the modules a recording pass could not observe (run inside a loop or
+  checkpoint of their own)."""
+  if not s.unobserved:
+    return
+  names = tuple(sorted(s.unobserved))
+  shown = ", ".join(map(repr, names[:6])) + (f" and {len(names) - 6} more" if len(names) > 6
+                                             else "")
+  _warn_once.warn_once(
+      ("numerics.unobserved", names),
+      f"jaxamp: the numerics monitor does not observe {shown}: modules run inside a loop or "
+      "checkpoint of their own (nnx.scan, nn.scan, nnx.remat / jax.checkpoint around a "
+      "submodule) get no activation, cotangent or input record, and their parameters' "
+      "gradients are recorded under the enclosing module's path. Under jax.vmap they are "
+      "observed.", stacklevel=3)
 
 
 @functools.cache

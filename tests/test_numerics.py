@@ -432,3 +432,40 @@ def test_plain_program_is_the_program_without_numerics():
       cond = train.lower(state, X).as_text()
   assert texts[0] == texts[1]
   assert cond.count("stablehlo.case") > texts[0].count("stablehlo.case")
+
+
+def test_modules_inside_their_own_scan_are_named_in_a_warning(fresh_warnings):
+  """Layers run inside nnx.scan cannot hand a record out once per step: the monitor says
+  which it does not observe, and their gradients land under the enclosing module."""
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.lin(x))
+
+  class M(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=3)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+      self.head = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(h, block):
+        return block(h)
+
+      return self.head(body(x, self.blocks))
+
+  train = make()
+  with pytest.warns(RuntimeWarning, match=r"does not observe .*'a Linear \(no path"):
+    _, metrics = train.step(train.init(M()), X)
+  got = metrics["numerics"]
+  assert set(got) == {"", "head"}
+  assert float(got[""]["grad"]["count"]) == 3 * (4 * 4 + 4)  # the stacked blocks'

@@ -86,6 +86,7 @@ def _grad_fn(plan: Plan, weight: jax.Array, axes: Any,
     if watch is None:
       return loss * weight, (loss, aux, new_state())
     watch.dtypes.update(seen.dtypes)
+    numerics_lib.warn_unobserved(seen)
     if probes is None:
       keys[:], input_keys[:] = seen.keys, seen.input_keys
     return loss * weight, (loss, aux, new_state())
