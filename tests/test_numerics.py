@@ -49,7 +49,7 @@ def reference(xs, dtype):
 
 def assert_stats(got, x, dtype, what):
   want = reference(x if isinstance(x, list) else [x], dtype)
-  assert set(got) == set(STATS)
+  assert set(STATS) <= set(got)  # and the what-if columns, if recorded
   for k in STATS:
     # float32 sums in another order: amax within rounding; counts exact.
     np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-5, err_msg=f"{what}: {k}")
@@ -77,8 +77,10 @@ def forward(pa, pb, x):
   return h, np.maximum(h, 0) @ pb["kernel"] + pb["bias"]
 
 
-def check_step(train, state, pa, pb, names):
-  """One recording step's figures against the same model computed by hand."""
+def check_step(train, state, pa, pb, names, transposed=False):
+  """One recording step's figures against the same model computed by hand, the what-if
+  columns too where the step records them (``transposed``: the library keeps kernels
+  as ``(out, in)``)."""
   state, metrics = train.step(state, X)
   assert bool(metrics["numerics_recorded"])
   got = metrics["numerics"]
@@ -100,6 +102,15 @@ def check_step(train, state, pa, pb, names):
   assert_stats(got[a]["input"], X, f32, "a input")
   assert_stats(got[b]["input"], np.maximum(h, 0), f32, "b input")
   assert "input" not in got[""]
+  names_ = train.options.debug.numerics.whatif
+  t = (lambda k: k.T) if transposed else (lambda k: k)
+  for path, kind, xs, role in (
+      (a, "input", [X], "input"), (b, "input", [np.maximum(h, 0)], "input"),
+      (a, "activation", [h], "input"), (b, "cotangent", [dy], "grad"),
+      (a, "cotangent", [dh], "grad"), (b, "grad", [gb["bias"], t(gb["kernel"])], "grad")):
+    for k, v in whatif_reference(xs, names_, role).items():
+      np.testing.assert_allclose(float(got[path][kind][k]), v, rtol=1e-6, atol=1e-12,
+                                 err_msg=f"{path} {kind}: {k}")
   return state, metrics
 
 
@@ -109,9 +120,9 @@ def params_for(seed):
   return pa, pb
 
 
-def make(every=1, **kw):
+def make(every=1, whatif=(), **kw):
   return jaxamp.make_train_step(loss, optax.sgd(0.0), policy="float32",
-                                numerics=jaxamp.Numerics(every=every), **kw)
+                                numerics=jaxamp.Numerics(every=every, whatif=whatif), **kw)
 
 
 @pytest.mark.slow
@@ -130,7 +141,8 @@ def test_nnx_statistics_match_numpy():
   m = M()
   for layer, p in ((m.a, pa), (m.b, pb)):
     layer.kernel[...], layer.bias[...] = p["kernel"], p["bias"]
-  train = make(every=2)  # steps 0 and 2 record (SGD at rate 0: the same values)
+  # Steps 0 and 2 record (SGD at rate 0: the same values).
+  train = make(every=2, whatif=numerics.whatif_policies())
   state, metrics = check_step(train, train.init(m), pa, pb, ("a", "b"))
   assert set(metrics["numerics"]) == {"", "a", "b"}  # '' is the model's own call
   state, metrics = train.step(state, X)
@@ -149,7 +161,7 @@ def test_linen_statistics_match_numpy():
       return nn.Dense(3, name="b")(jax.nn.relu(nn.Dense(16, name="a")(x)))
 
   pa, pb = params_for(20)
-  train = make()
+  train = make(whatif=numerics.whatif_policies())
   state = train.init(M(), {"params": {"a": pa, "b": pb}}, X)
   check_step(train, state, pa, pb, ("a", "b"))
 
@@ -170,8 +182,8 @@ def test_equinox_statistics_match_numpy():
   # Equinox keeps the weight as (out, in).
   m = eqx.tree_at(lambda m: (m.a.weight, m.a.bias, m.b.weight, m.b.bias), m,
                   (pa["kernel"].T, pa["bias"], pb["kernel"].T, pb["bias"]))
-  train = make()
-  check_step(train, train.init(m), pa, pb, ("a", "b"))
+  train = make(whatif=numerics.whatif_policies())
+  check_step(train, train.init(m), pa, pb, ("a", "b"), transposed=True)
 
 
 @pytest.mark.slow
