@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import _warn_once, scaled
+from jaxamp._stack import Stack
 from jaxamp.policy import get_policy
 
 __all__ = ["Numerics", "STATS", "KINDS", "whatif_policies", "stats", "size", "tensor_stats",
@@ -288,18 +288,12 @@ class _Scope:
     self.unobserved: set[str] = set()  # paths run inside a transform of their own
 
 
-class _Local(threading.local):
-  def __init__(self):
-    super().__init__()
-    self.scopes: list[_Scope] = []
-
-
-_local = _Local()
+_scopes = Stack()
 
 
 def current() -> _Scope | None:
   """The innermost recording scope, or None (the hot path: nothing is recorded)."""
-  return _local.scopes[-1] if _local.scopes else None
+  return _scopes.top()
 
 
 @contextlib.contextmanager
@@ -307,12 +301,8 @@ def scope(probes: Mapping[Any, Any] | None, axes: Any = None,
           whatif: Any = ()) -> Iterator[_Scope]:
   """Records what the module calls in this block observe (see :class:`_Scope`);
   ``axes``: inside ``shard_map``, the batch axes."""
-  s = _Scope(probes, axes, whatif)
-  _local.scopes.append(s)
-  try:
+  with _scopes.pushed(_Scope(probes, axes, whatif)) as s:
     yield s
-  finally:
-    _local.scopes.pop()
 
 
 def name_modules(named: Mapping[int, str]) -> None:

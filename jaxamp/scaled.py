@@ -52,7 +52,6 @@ import abc
 import contextlib
 import math
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -60,6 +59,7 @@ import jax
 from jax import lax
 
 from jaxamp import _warn_once
+from jaxamp._stack import Stack
 
 __all__ = [
     "ScaledFormat",
@@ -336,18 +336,12 @@ class _Scope:
     self.used: set[str] = set()
 
 
-class _Local(threading.local):
-  def __init__(self):
-    super().__init__()
-    self.scopes: list[_Scope] = []
-
-
-_local = _Local()
+_scopes = Stack()
 
 
 def current() -> _Scope | None:
   """The innermost running scope, or None."""
-  return _local.scopes[-1] if _local.scopes else None
+  return _scopes.top()
 
 
 @contextlib.contextmanager
@@ -363,29 +357,23 @@ def state_scope(state: Mapping[str, Any] | None, *,
   if not state and not record:
     yield None
     return
-  scope = _Scope(state or {}, record)
-  _local.scopes.append(scope)
-  try:
+  with _scopes.pushed(_Scope(state or {}, record)) as scope:
     yield scope
-  finally:
-    _local.scopes.pop()
 
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
   """No state in this block: abstract passes (plans, censuses) traced inside a step run
   without state and count no module as run."""
-  _local.scopes.append(_Scope({}))
-  try:
+  with _scopes.pushed(_Scope({})):
     yield
-  finally:
-    _local.scopes.pop()
 
 
 def name_modules(named: Mapping[int, str]) -> None:
   """Tells the running scope the path of each NNX module id (its state's key)."""
-  if _local.scopes:
-    _local.scopes[-1].names.update(named)
+  scope = current()
+  if scope is not None:
+    scope.names.update(named)
 
 
 def retraced(path: str | None) -> None:
