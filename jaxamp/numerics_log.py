@@ -91,10 +91,12 @@ class NumericsLog:
 
   def risk(self, against: str | None = None) -> list[tuple[str, float, str]]:
     """``(module, score, what)``, riskiest first: the score is the worst overflow plus
-    underflow fraction over its kinds (in the compute dtype, or ``against``:
-    ``'float16'`` or ``'bfloat16'``, the what-if), and 1 more with non-finite values;
-    ``what`` names the kind and figure behind it."""
-    suffix = _suffix(against)
+    underflow fraction over its kinds, and 1 more with non-finite values; ``what`` names
+    the kind and figure behind it. The fractions are the compute dtype's, or those of
+    the what-if ``against``: ``'float16'``, ``'bfloat16'``, ``'e4m3'`` / ``'e5m2'``
+    (per-tensor FP8, underflow only), or a policy the log was taken with
+    ``Numerics(whatif=...)`` for (``'mixed_fp8_block'``)."""
+    suffix = _suffix(against, self)
     rows = []
     for path, kinds in self.worst().items():
       best = (0.0, "")
@@ -109,9 +111,9 @@ class NumericsLog:
 
   def table(self, top: int = 20, against: str | None = None) -> str:
     """The ``top`` riskiest modules as text: per kind its worst amax, underflow and
-    overflow fractions (in the compute dtype, or ``against``: ``'float16'``,
-    ``'bfloat16'``) and non-finite count."""
-    suffix = _suffix(against)
+    overflow fractions (the compute dtype's, or ``against``'s, as :meth:`risk` takes it)
+    and non-finite count."""
+    suffix = _suffix(against, self)
     worst = self.worst()
     lines = [f"{'module':<28} {'kind':<10} {'amax':>10} {'underflow':>10} {'overflow':>9} "
              f"{'nonfinite':>9}"]
@@ -187,12 +189,18 @@ class NumericsLog:
     return fig
 
 
-def _suffix(against: str | None) -> str:
+def _suffix(against: str | None, log: NumericsLog) -> str:
+  """The column suffix of ``against``: a floating format, or a what-if policy the log
+  recorded (``Numerics(whatif=...)``)."""
   if against is None:
     return ""
-  if against not in ("float16", "bfloat16"):
-    raise ValueError(f"against must be None (the compute dtype), 'float16' or 'bfloat16', "
-                     f"got {against!r}.")
+  recorded = {k.removeprefix("underflow_") for r in log.records.values()
+              for kinds in r.values() for st in kinds.values() for k in st
+              if k.startswith("underflow_") and not k.endswith("_ls")}
+  if against not in recorded:
+    raise ValueError(f"against must be None (the compute dtype) or one this log recorded: "
+                     f"{sorted(recorded)}; got {against!r} (a what-if policy is recorded "
+                     "with jaxamp.Numerics(whatif=(name,))).")
   return "_" + against
 
 

@@ -67,6 +67,16 @@ def test_table_ranks_riskiest_first():
   assert "50.00%" in lines[1]
 
 
+def test_risk_against_fp8_and_unknown_formats():
+  log = sample_log()
+  # hot: non-finite values; norm: 90 % of its activation, outlier: 20 % of its input.
+  assert [r[0] for r in log.risk(against="e4m3")][:3] == ["hot", "norm", "outlier"]
+  assert log.risk(against="e4m3")[1][1] == pytest.approx(0.9)
+  assert log.table(against="float16").splitlines()[1].split()[:2] == ["hot", "activation"]
+  with pytest.raises(ValueError, match=r"one this log recorded: \['bfloat16', 'e4m3'"):
+    log.risk(against="mixed_mxfp8")
+
+
 def test_to_csv_has_a_row_per_step_module_and_kind(tmp_path):
   path = tmp_path / "n.csv"
   sample_log().to_csv(str(path))
