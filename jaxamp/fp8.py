@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once, dtypes, fp8_gather, scaled
+from jaxamp import _warn_once, dtypes, fp8_conv, fp8_gather, scaled
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -232,12 +232,6 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   return out.astype(dtype)
 
 
-def _conv(lhs, rhs, params):
-  strides, padding, lhs_dil, rhs_dil, dn, groups, batch_groups = params
-  return lax.conv_general_dilated(lhs, rhs, strides, padding, lhs_dil, rhs_dil, dn,
-                                  groups, batch_groups, preferred_element_type=_F32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_conv(lhs, rhs, history, scale, params, delayed, margin):
   return _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin)[0]
@@ -252,7 +246,7 @@ def _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin):
     s_lhs, s_rhs = _current_scale(a_lhs, _MAX[INPUT], margin), _current_scale(
         a_rhs, _MAX[KERNEL], margin)
   q_lhs, q_rhs = quantize(lhs, E4M3, s_lhs), quantize(rhs, E4M3, s_rhs)
-  out = _conv(q_lhs, q_rhs, params)
+  out = fp8_conv.conv(q_lhs, q_rhs, params)
   nonfinite = jnp.where(jnp.isfinite(a_lhs) & jnp.isfinite(a_rhs), 0.0, jnp.nan)
   out = (out / (s_lhs * s_rhs) + nonfinite.astype(_F32)).astype(lhs.dtype)
   residuals = (q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs,
@@ -265,14 +259,9 @@ def _fp8_conv_bwd(params, delayed, margin, residuals, g):
   a_g = scaled.amax(g)
   s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
   q_g = quantize(g, E5M2, s_g)
-  # lax's own transposes of the convolution (strides, dilation, padding and groups
-  # handled as lax handles them), on the FP8 values widened to float32, which holds
-  # them exactly: the products are those of the E5M2 gradient and the E4M3 operands,
-  # accumulated in float32. (lax's transpose rules cast both operands to the
-  # gradient's dtype: the E4M3 kernel rounded to E5M2, so they are not run on FP8.)
-  _, transpose = jax.vjp(lambda l, r: _conv(l, r, params), q_lhs.astype(_F32),
-                         q_rhs.astype(_F32))
-  d_lhs, d_rhs = transpose(q_g.astype(_F32))
+  # The transposed convolutions on the FP8 values widened to bfloat16 (exact), float32
+  # accumulation: jaxamp.fp8_conv.
+  d_lhs, d_rhs = fp8_conv.conv_grads(q_g, q_lhs, q_rhs, params)
   overflow = jnp.where(jnp.isfinite(a_g), 0.0, jnp.nan).astype(_F32)
   d_lhs = (d_lhs / (s_g * s_rhs) + overflow).astype(lhs_like.dtype)
   d_rhs = (d_rhs / (s_g * s_lhs) + overflow).astype(rhs_like.dtype)
@@ -286,12 +275,6 @@ def _fp8_conv_bwd(params, delayed, margin, residuals, g):
 _fp8_conv.defvjp(_fp8_conv_fwd, _fp8_conv_bwd)
 
 
-def _hashable(x: Any) -> Any:
-  if isinstance(x, str) or x is None:
-    return x
-  return tuple(_hashable(i) for i in x) if isinstance(x, (list, tuple)) else int(x)
-
-
 def scaled_conv_general_dilated(
     lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any,
     lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
@@ -302,9 +285,10 @@ def scaled_conv_general_dilated(
   """``lax.conv_general_dilated`` with FP8 operands: E4M3 input and kernel (one scale
   each), E5M2 output gradient, float32 accumulation; as :func:`scaled_dot_general`.
 
-  The backward convolutions are lax's own transposes of this one (any strides,
-  dilations, padding, ``feature_group_count``), run on the FP8 values widened to float32
-  (exact): the same products as FP8 operands, accumulated in float32.
+  The backward convolutions are lax's two transposes of this one (any strides,
+  dilations, padding, feature or batch groups: :mod:`jaxamp.fp8_conv`), run on the FP8
+  values widened to bfloat16 (exact): the products of the FP8 values, accumulated in
+  float32.
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
@@ -321,13 +305,9 @@ def scaled_conv_general_dilated(
   if meta is None:
     meta = init_meta(CurrentScaling())
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
-  spatial = lhs.ndim - 2
-  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  params = (_hashable(window_strides),
-            padding if isinstance(padding, str) else _hashable(padding),
-            _hashable(lhs_dilation or (1,) * spatial), _hashable(rhs_dilation or (1,) * spatial),
-            lax.ConvDimensionNumbers(*map(_hashable, dn)), int(feature_group_count),
-            int(batch_group_count))
+  params = fp8_conv.conv_params(lhs.shape, rhs.shape, window_strides, padding, lhs_dilation,
+                                rhs_dilation, dimension_numbers, feature_group_count,
+                                batch_group_count)
   out = _fp8_conv(lhs, rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs,
                   meta.amax_history, meta.scale, params, delayed, recipe.margin)
   return out.astype(dtype)
