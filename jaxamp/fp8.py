@@ -2,8 +2,8 @@
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
 with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
-projections included) and ``Conv``, Linen ``Dense``/``DenseGeneral``/``Conv`` and Equinox
-``Linear``/``Conv`` layers in FP8
+projections included), ``Conv``/``ConvTranspose``, Linen ``Dense``/``DenseGeneral``/
+``Conv``/``ConvTranspose`` and Equinox ``Linear``/``Conv`` layers in FP8
 and everything else in its compute dtype (bfloat16 for the named ones): norms, softmax,
 attention scores, the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
@@ -492,20 +492,27 @@ def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
 def nnx_classes() -> tuple[type, ...]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
+  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose)
 
 
 def linen_classes() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  return (nn.Dense, nn.DenseGeneral, nn.Conv)
+  return (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose)
 
 
 def _flax_convs() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Conv, nn.Conv)
+  return (nnx.Conv, nn.Conv, *_conv_transposes())
+
+
+def _conv_transposes() -> tuple[type, ...]:
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return (nnx.ConvTranspose, nn.ConvTranspose)
 
 
 # Each registered model library's FP8 layer classes (jaxamp.adapters.register hooks
@@ -560,7 +567,7 @@ def nnx_stacked(module: Any) -> bool:
   run with current scaling and get no state."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if isinstance(module, (nnx.Einsum, nnx.Conv)):
+  if isinstance(module, (nnx.Einsum, nnx.Conv, nnx.ConvTranspose)):
     declared = len(module.kernel_shape)
   elif isinstance(module, nnx.LinearGeneral):
     declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
@@ -569,8 +576,8 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
-_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, Linen Dense, DenseGeneral, Conv, Hugging "
-           "Face FlaxConv1D and Equinox Linear, Conv")
+_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Linen Dense, DenseGeneral, "
+           "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv")
 
 
 def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
@@ -717,13 +724,10 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   format has one); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
-  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
-    return {}
-  path = None
-  scope = scaled.current()
-  if scope is not None:
-    path = vars(module).get(_PATH_ATTR, scope.names.get(id(module)))
-  what = f"{type(module).__name__} {path or '(unnamed)'}"
+  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8) or isinstance(
+      module, _conv_transposes()):
+    return {}  # no convolution in the format; a ConvTranspose: fp8_conv_transpose
+  path, what = nnx_where(module)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   attrs = vars(module)
@@ -742,6 +746,16 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   return {"dot_general": scaled.dot_for(path, policy.fp8, what)}
 
 
+def nnx_where(module: Any) -> tuple[str | None, str]:
+  """An NNX FP8 layer's state key in the running scope (None outside one) and its name
+  for messages."""
+  path = None
+  scope = scaled.current()
+  if scope is not None:
+    path = vars(module).get(_PATH_ATTR, scope.names.get(id(module)))
+  return path, f"{type(module).__name__} {path or '(unnamed)'}"
+
+
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
                  lifted: bool = False) -> dict[str, Any]:
   """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 dense
@@ -753,6 +767,8 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
   if getattr(policy, "fp8", None) is None or not isinstance(module, linen_classes()):
     return {}
   name = "/".join(path)
+  if isinstance(module, _conv_transposes()):
+    return {}  # jaxamp.fp8_conv_transpose runs it
   if isinstance(module, _flax_convs()):
     if not scaled.runs_conv(policy.fp8) or module.conv_general_dilated_cls is not None or (
         module.conv_general_dilated is not None

@@ -26,7 +26,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -34,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["ConvParams", "conv", "conv_grads", "conv_params", "transpose_lhs",
-           "transpose_rhs"]
+__all__ = ["ConvParams", "conv", "conv_grads", "conv_params", "conv_transpose",
+           "transpose_lhs", "transpose_rhs", "with_conv_transpose"]
 
 _F32 = jnp.float32
 # The dtype the backward convolutions take their FP8 operands in: exact for E4M3 and E5M2
@@ -168,3 +170,91 @@ def conv_grads(g: jax.Array, lhs: jax.Array, rhs: jax.Array,
   if g.size == 0:  # as lax: no degenerate convolution with an empty window
     return jnp.zeros(lhs.shape, _F32), jnp.zeros(rhs.shape, _F32)
   return transpose_lhs(g, rhs, lhs.shape, p), transpose_rhs(g, lhs, rhs.shape, p)
+
+
+def _transpose_padding(k: int, s: int, padding: Any) -> tuple[int, int]:
+  # lax.conv_transpose's padding of the transposed convolution (Keras's convention).
+  if padding == "SAME":
+    total = k + s - 2
+    before = k - 1 if s > k - 1 else int(np.ceil(total / 2))
+  elif padding == "VALID":
+    total, before = k + s - 2 + max(k - s, 0), k - 1
+  else:  # (low, high) of the forward convolution
+    before, total = k - padding[0] - 1, 2 * k - padding[0] - padding[1] - 2
+  return before, total - before
+
+
+_DEFAULT_DN = {2: ("NC", "IO", "NC"), 3: ("NHC", "HIO", "NHC"), 4: ("NHWC", "HWIO", "NHWC"),
+               5: ("NHWDC", "HWDIO", "NHWDC")}
+
+
+def conv_transpose(conv_general_dilated: Callable[..., jax.Array], lhs: jax.Array,
+                   rhs: jax.Array, strides: Sequence[int], padding: Any,
+                   rhs_dilation: Sequence[int] | None = None, dimension_numbers: Any = None,
+                   transpose_kernel: bool = False, precision: Any = None,
+                   preferred_element_type: Any = None,
+                   use_consistent_padding: bool = False) -> jax.Array:
+  """``lax.conv_transpose`` with its convolution ``conv_general_dilated`` (same arguments
+  as lax's): how Flax's ``ConvTranspose`` layers run an FP8 convolution.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxamp import fp8_conv
+    >>> x, k = jnp.arange(10.0).reshape(1, 5, 2), jnp.arange(24.0).reshape(3, 4, 2)
+    >>> y = fp8_conv.conv_transpose(jax.lax.conv_general_dilated, x, k, (2,), 'SAME',
+    ...                             transpose_kernel=True)
+    >>> bool((y == jax.lax.conv_transpose(x, k, (2,), 'SAME', transpose_kernel=True)).all())
+    True
+  """
+  if dimension_numbers is None:
+    if lhs.ndim not in _DEFAULT_DN:
+      raise ValueError(f"no default dimension_numbers for {lhs.ndim}-d operands: give them")
+    dimension_numbers = _DEFAULT_DN[lhs.ndim]
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  rhs_dilation = tuple(rhs_dilation or (1,) * (rhs.ndim - 2))
+  if use_consistent_padding or padding in ("SAME", "VALID"):
+    pads = padding if not isinstance(padding, str) else [padding] * len(strides)
+    window = [(k - 1) * r + 1 for k, r in zip(np.take(rhs.shape, dn.rhs_spec[2:]),
+                                               rhs_dilation)]
+    padding = tuple(_transpose_padding(k, s, p) for k, s, p in zip(window, strides, pads))
+  if transpose_kernel:  # spatial dimensions flipped, input and output features swapped
+    rhs = jnp.flip(rhs, dn.rhs_spec[2:]).swapaxes(dn.rhs_spec[0], dn.rhs_spec[1])
+  return conv_general_dilated(lhs, rhs, (1,) * (lhs.ndim - 2), padding, tuple(strides),
+                              rhs_dilation, dn, precision=precision,
+                              preferred_element_type=preferred_element_type)
+
+
+class _Lax:
+  """``jax.lax`` with another ``conv_transpose``."""
+
+  def __init__(self, conv_transpose: Callable[..., jax.Array]):
+    self.conv_transpose = conv_transpose
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(lax, name)
+
+
+def with_conv_transpose(fn: types.FunctionType,
+                        conv_transpose: Callable[..., jax.Array]) -> types.FunctionType:
+  """A copy of ``fn`` whose ``lax.conv_transpose`` is ``conv_transpose``: Flax's
+  ``ConvTranspose`` layers call ``lax.conv_transpose`` themselves, and their own code
+  (batch dimensions, padding modes, mask, bias) then runs around an FP8 convolution. Only
+  the copy's globals differ (its name ``lax``); no module or global is changed.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> from jaxamp import fp8_conv
+    >>> def layer(x, k):
+    ...   return lax.conv_transpose(x, k, (2,), 'SAME') + 1
+    >>> copy = fp8_conv.with_conv_transpose(layer, lambda *a, **k: jnp.zeros(3))
+    >>> copy(jnp.ones((1, 4, 2)), jnp.ones((3, 2, 5))).tolist()
+    [1.0, 1.0, 1.0]
+  """
+  if fn.__globals__.get("lax") is not lax:
+    raise TypeError(f"{fn.__qualname__} does not call jax.lax as `lax`: its "
+                    "conv_transpose cannot be replaced")
+  copy = types.FunctionType(fn.__code__, dict(fn.__globals__, lax=_Lax(conv_transpose)),
+                            fn.__name__, fn.__defaults__, fn.__closure__)
+  copy.__kwdefaults__ = fn.__kwdefaults__
+  return copy
