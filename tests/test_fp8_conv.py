@@ -75,14 +75,25 @@ def test_forward_and_backward_match_a_float32_reference_of_the_fp8_operands(shap
   def both(x, w, g, qx, qw, qg):
     y, pull = jax.vjp(lambda x, w: jaxamp.fp8.scaled_conv_general_dilated(x, w, **kw), x, w)
     want, ref_pull = jax.vjp(lambda x, w: ref_conv(x, w, kw), qx, qw)
-    return y, pull(g), want, ref_pull(qg), ref_conv(x, w, kw)
+    plain, plain_pull = jax.vjp(lambda x, w: ref_conv(x, w, kw), x, w)
+    return y, pull(g), want, ref_pull(qg), plain, plain_pull(g)
 
-  y, got, want, grads, plain = both(x, w, g, qx, qw, qg)
+  y, got, want, grads, plain, plain_grads = both(x, w, g, qx, qw, qg)
   assert y.dtype == jnp.float32 and y.shape == want.shape
   np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
   assert not np.allclose(y, plain, rtol=0, atol=1e-6)  # it did round
   for a, b in zip(got, grads):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+  # Against the float32 convolution: E4M3 rounds by up to 2**-4 of a value, E5M2 by 2**-3;
+  # the normwise error of the sums stays within 8 % (forward) and 10 % (gradients);
+  # measured: 4 % and 6 %.
+  assert _relative_error(y, plain) < 0.08
+  for a, b in zip(got, plain_grads):
+    assert _relative_error(a, b) < 0.10
+
+
+def _relative_error(a, b):
+  return float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b))
 
 
 def _convs(text):

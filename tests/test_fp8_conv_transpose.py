@@ -119,7 +119,10 @@ def test_nnx_conv_transpose_matches_a_float32_reference_of_the_fp8_operands(
   assert y.dtype == jnp.float32 and y.shape == want[0].shape
   for got, ref_value in zip((y, g_x, g_k), want):
     np.testing.assert_allclose(got, ref_value, rtol=0, atol=1e-5 * np.abs(ref_value).max())
-  assert not np.allclose(y, layer(x), rtol=0, atol=1e-6)  # it did round
+  plain = layer(x)
+  assert not np.allclose(y, plain, rtol=0, atol=1e-6)  # it did round
+  # against the float32 layer: E4M3 rounds by up to 2**-4 of a value
+  assert np.linalg.norm(y - plain) / np.linalg.norm(plain) < 0.08
 
 
 @pytest.mark.slow
@@ -133,7 +136,7 @@ def test_linen_conv_transpose_matches_a_float32_reference_of_the_fp8_operands():
   @jax.jit
   def run_both(v, x, r, qv, qx, qr):
     return (run(jaxamp.with_policy(layer, F32_FP8).apply, v, x, r),
-            run(layer.apply, qv, qx, qr), layer.apply(v, x))
+            run(layer.apply, qv, qx, qr), run(layer.apply, v, x, r))
 
   def run(apply, v, x, r):
     y, pull = jax.vjp(apply, v, x)
@@ -146,7 +149,11 @@ def test_linen_conv_transpose_matches_a_float32_reference_of_the_fp8_operands():
   for a, b in zip(got, want):
     assert a.dtype == jnp.float32 and a.shape == b.shape
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
-  assert not np.allclose(got[0], plain, rtol=0, atol=1e-6)
+  assert not np.allclose(got[0], plain[0], rtol=0, atol=1e-6)
+  # against the float32 layer (E4M3 rounds by up to 2**-4, E5M2 by 2**-3): within 8 % and
+  # 10 % normwise
+  for a, b, tol in zip(got, plain, (0.08, 0.10, 0.10)):
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
 
 def _convs(text):
