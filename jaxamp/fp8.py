@@ -3,7 +3,7 @@
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
 with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
 projections included), ``Conv``/``ConvTranspose``, Linen ``Dense``/``DenseGeneral``/
-``Conv``/``ConvTranspose`` and Equinox ``Linear``/``Conv`` layers in FP8
+``Conv``/``ConvTranspose`` and Equinox ``Linear``/``Conv``/``ConvTranspose`` layers in FP8
 and everything else in its compute dtype (bfloat16 for the named ones): norms, softmax,
 attention scores, the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
@@ -577,7 +577,7 @@ def nnx_stacked(module: Any) -> bool:
 
 
 _HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Linen Dense, DenseGeneral, "
-           "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv")
+           "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv, ConvTranspose")
 
 
 def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],

@@ -1,10 +1,11 @@
-"""FP8 ConvTranspose layers (jaxamp.fp8_conv_transpose; jaxamp.fp8_conv.conv_transpose): NNX
-and Linen ConvTranspose under the per-tensor recipes against a float32 reference of the
+"""FP8 ConvTranspose layers (jaxamp.fp8_conv_transpose; jaxamp.fp8_conv.conv_transpose;
+Equinox's in jaxamp.equinox): NNX, Linen and Equinox ConvTranspose under the per-tensor recipes against a float32 reference of the
 dequantized operands, FP8 and bfloat16 operands in the lowered program, the precision
 report, training with delayed-scaling state and the exact skip."""
 
 import warnings
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -156,20 +157,61 @@ def test_linen_conv_transpose_matches_a_float32_reference_of_the_fp8_operands():
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("padding,mode", [("SAME", "CIRCULAR"), (((1, 2), (0, 1)), "ZEROS")])
+def test_equinox_conv_transpose_matches_a_float32_reference_of_the_fp8_operands(padding, mode):
+  """Under jax.vmap: the batch quantized as one tensor (one scale), as a Flax layer."""
+  rng = np.random.RandomState(2)
+  layer = eqx.nn.ConvTranspose2d(3, 4, (3, 2), stride=(2, 1), dilation=(1, 2), padding=padding,
+                                 padding_mode=mode, key=jax.random.key(0))
+  x = rng.randn(2, 3, 5, 6).astype(np.float32)
+
+  def with_weight(w):
+    return eqx.tree_at(lambda m: m.weight, layer, w)
+
+  def run(policy, w, x, r):
+    def f(w, x):
+      m = with_weight(w)
+      return jax.vmap(m if policy is None else jaxamp.with_policy(m, policy))(x)
+    y, pull = jax.vjp(f, w, x)
+    g_w, g_x = pull(jnp.asarray(r))
+    return y, g_x, g_w
+
+  w = layer.weight
+  r = rng.randn(*jax.eval_shape(jax.vmap(layer), x).shape).astype(np.float32)
+  got, want, plain = jax.jit(lambda w, x, r, qw, qx, qr: (
+      run(F32_FP8, w, x, r), run(None, qw, qx, qr), run(None, w, x, r)))(
+          w, x, r, dequantized(w, 448, E4M3), dequantized(x, 448, E4M3),
+          dequantized(r, 57344, E5M2))
+  for a, b in zip(got, want):
+    assert a.dtype == jnp.float32 and a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+  for a, b, tol in zip(got, plain, (0.08, 0.10, 0.10)):
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
+
+
 def _convs(text):
   return [c.split(":")[-1].strip() for c in text.splitlines() if "stablehlo.convolution" in c]
 
 
-def test_lowered_fp8_forward_and_bfloat16_backward_convolutions_nnx_and_linen_cuda():
+def test_lowered_fp8_forward_and_bfloat16_backward_convolutions_cuda():
   x = jnp.ones((2, 5, 6, 3))
+  eqx_layer = eqx.nn.ConvTranspose2d(3, 4, (3, 2), stride=(2, 1), key=jax.random.key(0))
   nnx_layer = _nnx_layer("SAME", False)
   linen_layer = nn.ConvTranspose(4, (3, 2), **_LAYER)
   v = linen_layer.init(jax.random.key(0), x)
   amp = jaxamp.with_policy(linen_layer, "mixed_fp8")
+
+  def eqx_loss(w, x):
+    m = eqx.tree_at(lambda m: m.weight, eqx_layer, w)
+    return jnp.sum(jax.vmap(jaxamp.with_policy(m, "mixed_fp8"))(x) ** 2)
+
   programs = {
       "nnx": jax.jit(nnx.grad(lambda m, x: jnp.sum(jaxamp.with_policy(m, "mixed_fp8")(x) ** 2),
                               argnums=(0, 1))).trace(nnx_layer, x),
-      "linen": jax.jit(jax.grad(lambda v, x: jnp.sum(amp.apply(v, x) ** 2), (0, 1))).trace(v, x)}
+      "linen": jax.jit(jax.grad(lambda v, x: jnp.sum(amp.apply(v, x) ** 2), (0, 1))).trace(v, x),
+      "equinox": jax.jit(jax.grad(eqx_loss, (0, 1))).trace(eqx_layer.weight,
+                                                           x.transpose(0, 3, 1, 2))}
   for name, traced in programs.items():
     convs = _convs(traced.lower(lowering_platforms=("cuda",)).as_text())
     assert len(convs) == 3, (name, convs)
@@ -210,12 +252,25 @@ class _LinenDecoder(nn.Module):
     return nn.Dense(4)(x.mean((1, 2)))
 
 
+class _EqxDecoder(eqx.Module):
+  up: eqx.nn.ConvTranspose2d
+  out: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.up = eqx.nn.ConvTranspose2d(3, 8, 3, stride=2, padding="SAME", key=k1)
+    self.out = eqx.nn.Linear(8, 4, key=k2)
+
+  def __call__(self, x):  # one example, channels first
+    return self.out(jax.nn.relu(self.up(x)).mean((1, 2)))
+
+
 def _xent(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("library", ["nnx", "linen"])
+@pytest.mark.parametrize("library", ["nnx", "linen", "equinox"])
 def test_conv_transpose_layers_train_with_delayed_state_and_skip_a_nonfinite_batch(
     library, fresh_warnings):
   x = jnp.asarray(np.random.RandomState(0).randn(4, 6, 6, 3), jnp.float32)
@@ -224,6 +279,12 @@ def test_conv_transpose_layers_train_with_delayed_state_and_skip_a_nonfinite_bat
                                  policy="mixed_fp8")
   if library == "nnx":
     state, first, paths = train.init(_NNXDecoder(nnx.Rngs(0))), "up", {"up", "out"}
+  elif library == "equinox":
+    x = jnp.transpose(x, (0, 3, 1, 2))
+    batch = (x, batch[1])
+    train = jaxamp.make_train_step(lambda m, b: _xent(jax.vmap(m)(b[0]), b[1]),
+                                   optax.adam(1e-2), policy="mixed_fp8")
+    state, first, paths = train.init(_EqxDecoder(jax.random.key(0))), "up", {"up", "out"}
   else:
     model = _LinenDecoder()
     state = train.init(model, model.init(jax.random.key(0), x), x)
@@ -240,6 +301,9 @@ def test_conv_transpose_layers_train_with_delayed_state_and_skip_a_nonfinite_bat
   assert (history[:, :2] > 0).all() and not history[:, 2:].any()
   before = jax.tree.map(np.asarray, (state.params, state.fp8))
   state, metrics = train.step(state, (x.at[0, 0, 0, 0].set(jnp.nan), batch[1]))
+  # the step's lowered program: the FP8 forward convolution, with E4M3 operands
+  convs = _convs(train.lower(state, batch, platforms=("cuda",)).as_text())
+  assert sum(c.count("f8E4M3FN>") == 2 for c in convs) == 1, convs
   assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
   jax.tree.map(np.testing.assert_array_equal,
                jax.tree.map(np.asarray, (state.params, state.fp8)), before)
