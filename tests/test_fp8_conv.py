@@ -221,6 +221,17 @@ def test_backward_convolutions_match_a_float64_numpy_reference():
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
 
 
+@pytest.mark.slow
+def test_an_empty_output_gradient_gives_zero_gradients_as_lax():
+  x, w = jnp.ones((0, 5, 2), E4M3), jnp.ones((3, 2, 4), E4M3)
+  p = fp8_conv.conv_params(x.shape, w.shape, (1,), "VALID", None, None,
+                           ("NWC", "WIO", "NWC"), 1, 1)
+  g = jnp.ones((0, 3, 4), E5M2)
+  for a, b in zip(fp8_conv.conv_grads(g, x, w, p), _lax_grads(g, x, w, p)):
+    assert a.dtype == b.dtype == jnp.float32 and a.shape == b.shape
+    np.testing.assert_array_equal(a, b)
+
+
 def test_string_padding_with_lhs_dilation_is_refused_as_lax_refuses_it():
   with pytest.raises(ValueError, match=r"padding 'SAME' \(a string\) with lhs_dilation"):
     fp8_conv.conv_params((1, 5, 2), (3, 2, 4), (1,), "SAME", (2,), None,
