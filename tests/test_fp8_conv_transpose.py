@@ -219,12 +219,16 @@ def test_precision_report_shows_the_fp8_convolution():
   x = jnp.ones((2, 5, 6, 3))
   v = layer.init(jax.random.key(0), x)
   amp = jaxamp.with_policy(layer, "mixed_fp8_current")
-  r = jaxamp.precision_report(lambda x: amp.apply(v, x).astype(jnp.float32).sum(), x)
-  (op,) = r.ops
-  assert (op.lhs_dtype, op.rhs_dtype) == ("float8_e4m3fn", "float8_e4m3fn")
+  r = jaxamp.precision_report(lambda x: (amp.apply(v, x).astype(jnp.float32) ** 2).sum(), x,
+                              backward=True)
+  fwd, bwd = sorted(r.ops, key=lambda op: op.lhs_dtype != "float8_e4m3fn")
+  assert (fwd.lhs_dtype, fwd.rhs_dtype) == ("float8_e4m3fn", "float8_e4m3fn")
+  # the input gradient's convolution: the FP8 values widened to bfloat16
+  assert (bwd.lhs_dtype, bwd.rhs_dtype) == ("bfloat16", "bfloat16")
   # 2 FLOPs per product: output [2, 10, 12, 4] times the 3x3x3 window (holes included:
   # the convolution runs on the stride-dilated input)
-  assert r.fp8_flops == r.total_flops == 2 * (2 * 10 * 12 * 4) * 3 * 3 * 3
+  assert r.fp8_flops == 2 * (2 * 10 * 12 * 4) * 3 * 3 * 3
+  assert r.half_flops == r.total_flops - r.fp8_flops > 0
   assert "per-tensor current" in str(r)
 
 
