@@ -253,7 +253,8 @@ def with_conv_transpose(fn: types.FunctionType,
   """
   if fn.__globals__.get("lax") is not lax:
     raise TypeError(f"{fn.__qualname__} does not call jax.lax as `lax`: its "
-                    "conv_transpose cannot be replaced")
+                    "conv_transpose cannot be replaced (a flax version jaxamp does not know: "
+                    "keep ConvTranspose out of FP8 with jaxamp.set_policy)")
   copy = types.FunctionType(fn.__code__, dict(fn.__globals__, lax=_Lax(conv_transpose)),
                             fn.__name__, fn.__defaults__, fn.__closure__)
   copy.__kwdefaults__ = fn.__kwdefaults__

@@ -29,6 +29,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from jaxamp import _warn_once
 from jaxamp import fp8 as fp8_lib
 from jaxamp import fp8_conv, scaled
 
@@ -39,13 +40,27 @@ def _with(call: Any, conv: Callable[..., Any]) -> Any:
   return fp8_conv.with_conv_transpose(call, functools.partial(fp8_conv.conv_transpose, conv))
 
 
+def _own_call(cls: type) -> None:
+  _warn_once.warn_once(
+      ("fp8.own_conv_transpose", cls),
+      f"jaxamp: {cls.__name__} overrides ConvTranspose.__call__: its convolution runs in the "
+      "compute dtype, not FP8 (jaxamp reaches ConvTranspose's own call only). Keep it out "
+      f"with jaxamp.set_policy({cls.__name__}, 'mixed_bfloat16') to silence this.",
+      RuntimeWarning, stacklevel=4)
+
+
 def nnx_call(module: Any, policy: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
   """What an NNX module's call ``fn`` runs under ``policy``: for an ``nnx.ConvTranspose``
-  whose format has a convolution, its own ``__call__`` with the format's; else ``fn``."""
+  whose format has a convolution, its own ``__call__`` with the format's; else ``fn`` (a
+  subclass's own ``__call__`` with a warning: it runs in the compute dtype)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if fn is not nnx.ConvTranspose.__call__ or not fp8_lib.runs_fp8(type(module), policy):
-    return fn  # another module, or a subclass's own call: theirs to keep
+  if not isinstance(module, nnx.ConvTranspose) or not fp8_lib.runs_fp8(type(module), policy):
+    return fn
+  if fn is not nnx.ConvTranspose.__call__:
+    if getattr(fn, "__name__", None) == "__call__":
+      _own_call(type(module))
+    return fn  # a subclass's own call or another method: theirs to keep
   path, what = fp8_lib.nnx_where(module)
   return _with(fn, scaled.conv_for(path, policy.fp8, what))
 
@@ -56,8 +71,10 @@ def linen_call(module: Any, path: tuple[str, ...], policy: Any,
   where ``lifted`` (inside ``nn.scan``/``nn.vmap``: current scaling)."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  if (type(module).__call__ is not nn.ConvTranspose.__call__
-      or not fp8_lib.runs_fp8(type(module), policy)):
+  if not isinstance(module, nn.ConvTranspose) or not fp8_lib.runs_fp8(type(module), policy):
+    return next_fun
+  if type(module).__call__ is not nn.ConvTranspose.__call__:
+    _own_call(type(module))
     return next_fun
   name = "/".join(path)
   call = _with(nn.ConvTranspose.__call__.__wrapped__, scaled.conv_for(

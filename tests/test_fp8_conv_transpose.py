@@ -310,6 +310,35 @@ def test_conv_transpose_layers_train_with_delayed_state_and_skip_a_nonfinite_bat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("library", ["nnx", "linen"])
+def test_a_subclass_with_its_own_call_runs_in_the_compute_dtype_with_a_warning(
+    library, fresh_warnings):
+  x = jnp.ones((2, 5, 5, 3))
+  if library == "nnx":
+    class Own(nnx.ConvTranspose):
+      def __call__(self, x):
+        return super().__call__(x) * 2
+
+    layer = Own(3, 4, (3, 3), strides=(2, 2), rngs=nnx.Rngs(0))
+    run = jaxamp.with_policy(layer, "mixed_fp8")
+  else:
+    class Own(nn.ConvTranspose):  # pylint: disable=function-redefined
+      def __call__(self, x):
+        return super().__call__(x) * 2
+
+    layer = Own(4, (3, 3), strides=(2, 2))
+    v = layer.init(jax.random.key(0), x)
+    run = lambda x: jaxamp.with_policy(layer, "mixed_fp8").apply(v, x)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    text = jax.jit(run).lower(x).as_text()
+  msgs = [str(w.message) for w in seen if "overrides ConvTranspose.__call__" in str(w.message)]
+  assert len(msgs) == 1 and "Own" in msgs[0] and "compute dtype" in msgs[0], msgs
+  convs = _convs(text)
+  assert len(convs) == 1 and "f8E4M3FN" not in convs[0] and "bf16" in convs[0], convs
+
+
+@pytest.mark.slow
 def test_a_format_without_a_convolution_leaves_conv_transpose_in_the_compute_dtype(
     fresh_warnings):
   x = jnp.ones((2, 6, 6, 3))
