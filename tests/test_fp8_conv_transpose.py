@@ -101,7 +101,7 @@ def _nnx_run(layer, x, r, policy):
 
 
 @pytest.mark.parametrize("padding,transpose_kernel", [
-    pytest.param("SAME", True, id="same-transposed-kernel"),
+    pytest.param("SAME", True, id="same-transposed-kernel", marks=pytest.mark.slow),
     pytest.param("CIRCULAR", False, id="circular", marks=pytest.mark.slow),
     pytest.param(((1, 2), (0, 1)), False, id="explicit", marks=pytest.mark.slow)])
 def test_nnx_conv_transpose_matches_a_float32_reference_of_the_fp8_operands(
