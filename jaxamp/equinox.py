@@ -217,6 +217,8 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
     fn = _fp8_linear(info)
   elif fn is eqx.nn.Conv.__call__ and fp8_lib.runs_fp8(info.base, info.policy):
     fn = _fp8_conv(info)
+  elif fn is eqx.nn.ConvTranspose.__call__ and fp8_lib.runs_fp8(info.base, info.policy):
+    fn = _fp8_conv_transpose(info)
   gather = fn is eqx.nn.Embedding.__call__  # a lookup: keep the table, cast the rows
   sliced = _owns_slices(module)  # FSDP, gather='layer': fields gathered where read
 
@@ -252,10 +254,10 @@ def _run_under(module: Any, fn: Callable[..., Any], info: _Info, args: tuple[Any
 
 def fp8_classes() -> tuple[type, ...]:
   """The layers whose matmul runs in FP8 under an FP8 policy."""
-  return (eqx.nn.Linear, eqx.nn.Conv)
+  return (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.ConvTranspose)
 
 
-fp8_lib.hook_conv_classes(lambda: (eqx.nn.Conv,))
+fp8_lib.hook_conv_classes(lambda: (eqx.nn.Conv, eqx.nn.ConvTranspose))
 
 
 def fp8_rows(model: Any, rows: list[Any]) -> list[Any]:
@@ -263,7 +265,8 @@ def fp8_rows(model: Any, rows: list[Any]) -> list[Any]:
   a stack of weights (one per step of a ``lax.scan``), which run with current scaling."""
   stacked = {path_name(path) for path, m in _walk(model)
              if (isinstance(m, eqx.nn.Linear) and np.ndim(m.weight) > 2)
-             or (isinstance(m, eqx.nn.Conv) and np.ndim(m.weight) > m.num_spatial_dims + 2)}
+             or (isinstance(m, (eqx.nn.Conv, eqx.nn.ConvTranspose))
+                 and np.ndim(m.weight) > m.num_spatial_dims + 2)}
   return [row for row in rows if row[0] not in stacked]
 
 
@@ -302,6 +305,32 @@ def _fp8_conv(info: _Info) -> Callable[..., Any]:
     def run(x, w):  # x: [N, C, *spatial]
       return conv(x, w, self.stride, padding, rhs_dilation=self.dilation,
                   feature_group_count=self.groups)
+
+    y = _one_conv_per_batch(run, info.fp8_path)(x, self.weight)
+    if self.use_bias:
+      y = y + self.bias
+    return y
+
+  return call
+
+
+def _fp8_conv_transpose(info: _Info) -> Callable[..., Any]:
+  """``eqx.nn.ConvTranspose.__call__`` with its convolution (of the stride-dilated input)
+  an FP8 one, run once on a whole batch under ``jax.vmap``, as :func:`_fp8_conv`."""
+
+  def call(self, x, *, key=None):
+    del key
+    if x.ndim != self.num_spatial_dims + 1:
+      raise ValueError(f"Input to `ConvTranspose` needs to have rank "
+                       f"{self.num_spatial_dims + 1}, but input has shape {x.shape}.")
+    padding = self._padding_transpose()
+    if self.padding_mode == "CIRCULAR":
+      x, padding = self._circular_pad(x, padding)
+    conv = scaled.conv_for(info.fp8_path, info.policy.fp8, f"ConvTranspose {info.fp8_path}")
+
+    def run(x, w):  # x: [N, C, *spatial]
+      return conv(x, w, (1,) * self.num_spatial_dims, padding, lhs_dilation=self.stride,
+                  rhs_dilation=self.dilation, feature_group_count=self.groups)
 
     y = _one_conv_per_batch(run, info.fp8_path)(x, self.weight)
     if self.use_bias:

@@ -2,8 +2,8 @@
 
 An FP8 policy (``'mixed_fp8'``, ``'mixed_fp8_current'``, or any :class:`jaxamp.Policy`
 with ``fp8=``) runs the matmuls of NNX ``Linear``/``LinearGeneral``/``Einsum`` (attention
-projections included) and ``Conv``, Linen ``Dense``/``DenseGeneral``/``Conv`` and Equinox
-``Linear``/``Conv`` layers in FP8
+projections included), ``Conv``/``ConvTranspose``, Linen ``Dense``/``DenseGeneral``/
+``Conv``/``ConvTranspose`` and Equinox ``Linear``/``Conv``/``ConvTranspose`` layers in FP8
 and everything else in its compute dtype (bfloat16 for the named ones): norms, softmax,
 attention scores, the loss stay as under ``'mixed_bfloat16'``. The recipe is the "hybrid" one of
 Transformer Engine and flax: inputs and kernels quantized to E4M3 (max 448), the
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once, dtypes, fp8_gather, scaled
+from jaxamp import _warn_once, dtypes, fp8_conv, fp8_gather, scaled
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -232,12 +232,6 @@ def scaled_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   return out.astype(dtype)
 
 
-def _conv(lhs, rhs, params):
-  strides, padding, lhs_dil, rhs_dil, dn, groups, batch_groups = params
-  return lax.conv_general_dilated(lhs, rhs, strides, padding, lhs_dil, rhs_dil, dn,
-                                  groups, batch_groups, preferred_element_type=_F32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fp8_conv(lhs, rhs, history, scale, params, delayed, margin):
   return _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin)[0]
@@ -252,7 +246,7 @@ def _fp8_conv_fwd(lhs, rhs, history, scale, params, delayed, margin):
     s_lhs, s_rhs = _current_scale(a_lhs, _MAX[INPUT], margin), _current_scale(
         a_rhs, _MAX[KERNEL], margin)
   q_lhs, q_rhs = quantize(lhs, E4M3, s_lhs), quantize(rhs, E4M3, s_rhs)
-  out = _conv(q_lhs, q_rhs, params)
+  out = fp8_conv.conv(q_lhs, q_rhs, params)
   nonfinite = jnp.where(jnp.isfinite(a_lhs) & jnp.isfinite(a_rhs), 0.0, jnp.nan)
   out = (out / (s_lhs * s_rhs) + nonfinite.astype(_F32)).astype(lhs.dtype)
   residuals = (q_lhs, q_rhs, s_lhs, s_rhs, history, scale, a_lhs, a_rhs,
@@ -265,14 +259,9 @@ def _fp8_conv_bwd(params, delayed, margin, residuals, g):
   a_g = scaled.amax(g)
   s_g = scale[GRAD] if delayed else _current_scale(a_g, _MAX[GRAD], margin)
   q_g = quantize(g, E5M2, s_g)
-  # lax's own transposes of the convolution (strides, dilation, padding and groups
-  # handled as lax handles them), on the FP8 values widened to float32, which holds
-  # them exactly: the products are those of the E5M2 gradient and the E4M3 operands,
-  # accumulated in float32. (lax's transpose rules cast both operands to the
-  # gradient's dtype: the E4M3 kernel rounded to E5M2, so they are not run on FP8.)
-  _, transpose = jax.vjp(lambda l, r: _conv(l, r, params), q_lhs.astype(_F32),
-                         q_rhs.astype(_F32))
-  d_lhs, d_rhs = transpose(q_g.astype(_F32))
+  # The transposed convolutions on the FP8 values widened to bfloat16 (exact), float32
+  # accumulation: jaxamp.fp8_conv.
+  d_lhs, d_rhs = fp8_conv.conv_grads(q_g, q_lhs, q_rhs, params)
   overflow = jnp.where(jnp.isfinite(a_g), 0.0, jnp.nan).astype(_F32)
   d_lhs = (d_lhs / (s_g * s_rhs) + overflow).astype(lhs_like.dtype)
   d_rhs = (d_rhs / (s_g * s_lhs) + overflow).astype(rhs_like.dtype)
@@ -286,12 +275,6 @@ def _fp8_conv_bwd(params, delayed, margin, residuals, g):
 _fp8_conv.defvjp(_fp8_conv_fwd, _fp8_conv_bwd)
 
 
-def _hashable(x: Any) -> Any:
-  if isinstance(x, str) or x is None:
-    return x
-  return tuple(_hashable(i) for i in x) if isinstance(x, (list, tuple)) else int(x)
-
-
 def scaled_conv_general_dilated(
     lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any,
     lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
@@ -302,9 +285,10 @@ def scaled_conv_general_dilated(
   """``lax.conv_general_dilated`` with FP8 operands: E4M3 input and kernel (one scale
   each), E5M2 output gradient, float32 accumulation; as :func:`scaled_dot_general`.
 
-  The backward convolutions are lax's own transposes of this one (any strides,
-  dilations, padding, ``feature_group_count``), run on the FP8 values widened to float32
-  (exact): the same products as FP8 operands, accumulated in float32.
+  The backward convolutions are lax's two transposes of this one (any strides,
+  dilations, padding, feature or batch groups: :mod:`jaxamp.fp8_conv`), run on the FP8
+  values widened to bfloat16 (exact): the products of the FP8 values, accumulated in
+  float32.
 
   Example:
     >>> import jax.numpy as jnp, jaxamp
@@ -321,13 +305,9 @@ def scaled_conv_general_dilated(
   if meta is None:
     meta = init_meta(CurrentScaling())
   dtype = jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type
-  spatial = lhs.ndim - 2
-  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  params = (_hashable(window_strides),
-            padding if isinstance(padding, str) else _hashable(padding),
-            _hashable(lhs_dilation or (1,) * spatial), _hashable(rhs_dilation or (1,) * spatial),
-            lax.ConvDimensionNumbers(*map(_hashable, dn)), int(feature_group_count),
-            int(batch_group_count))
+  params = fp8_conv.conv_params(lhs.shape, rhs.shape, window_strides, padding, lhs_dilation,
+                                rhs_dilation, dimension_numbers, feature_group_count,
+                                batch_group_count)
   out = _fp8_conv(lhs, rhs.astype(lhs.dtype) if rhs.dtype != lhs.dtype else rhs,
                   meta.amax_history, meta.scale, params, delayed, recipe.margin)
   return out.astype(dtype)
@@ -512,20 +492,27 @@ def merge_state(old: Mapping[str, Fp8Meta], cotangent: Mapping[str, Fp8Meta],
 def nnx_classes() -> tuple[type, ...]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
+  return (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose)
 
 
 def linen_classes() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  return (nn.Dense, nn.DenseGeneral, nn.Conv)
+  return (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose)
 
 
 def _flax_convs() -> tuple[type, ...]:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return (nnx.Conv, nn.Conv)
+  return (nnx.Conv, nn.Conv, *_conv_transposes())
+
+
+def _conv_transposes() -> tuple[type, ...]:
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return (nnx.ConvTranspose, nn.ConvTranspose)
 
 
 # Each registered model library's FP8 layer classes (jaxamp.adapters.register hooks
@@ -583,7 +570,7 @@ def nnx_stacked(module: Any) -> bool:
   run with current scaling and get no state."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if isinstance(module, (nnx.Einsum, nnx.Conv)):
+  if isinstance(module, (nnx.Einsum, nnx.Conv, nnx.ConvTranspose)):
     declared = len(module.kernel_shape)
   elif isinstance(module, nnx.LinearGeneral):
     declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
@@ -592,8 +579,8 @@ def nnx_stacked(module: Any) -> bool:
   return jnp.ndim(module.kernel) > declared
 
 
-_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, Linen Dense, DenseGeneral, Conv, Hugging "
-           "Face FlaxConv1D and Equinox Linear, Conv")
+_HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Linen Dense, DenseGeneral, "
+           "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv, ConvTranspose")
 
 
 def unreached_matmuls(ops: Sequence[Any], modules: Sequence[str],
@@ -740,13 +727,10 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   format has one); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
-  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
-    return {}
-  path = None
-  scope = scaled.current()
-  if scope is not None:
-    path = vars(module).get(_PATH_ATTR, scope.names.get(id(module)))
-  what = f"{type(module).__name__} {path or '(unnamed)'}"
+  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8) or isinstance(
+      module, _conv_transposes()):
+    return {}  # no convolution in the format; a ConvTranspose: fp8_conv_transpose
+  path, what = nnx_where(module)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   attrs = vars(module)
@@ -765,6 +749,16 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   return {"dot_general": scaled.dot_for(path, policy.fp8, what)}
 
 
+def nnx_where(module: Any) -> tuple[str | None, str]:
+  """An NNX FP8 layer's state key in the running scope (None outside one) and its name
+  for messages."""
+  path = None
+  scope = scaled.current()
+  if scope is not None:
+    path = vars(module).get(_PATH_ATTR, scope.names.get(id(module)))
+  return path, f"{type(module).__name__} {path or '(unnamed)'}"
+
+
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
                  lifted: bool = False) -> dict[str, Any]:
   """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 dense
@@ -776,6 +770,8 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
   if getattr(policy, "fp8", None) is None or not isinstance(module, linen_classes()):
     return {}
   name = "/".join(path)
+  if isinstance(module, _conv_transposes()):
+    return {}  # jaxamp.fp8_conv_transpose runs it
   if isinstance(module, _flax_convs()):
     if not scaled.runs_conv(policy.fp8) or module.conv_general_dilated_cls is not None or (
         module.conv_general_dilated is not None

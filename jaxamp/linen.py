@@ -57,7 +57,7 @@ import numpy as np
 
 from jaxamp import _trace
 from jaxamp import fp8 as fp8_lib
-from jaxamp import hf_layers
+from jaxamp import fp8_conv_transpose, hf_layers
 from jaxamp import gather as gather_lib
 from jaxamp import module_call
 from jaxamp import residuals as residuals_lib
@@ -478,6 +478,8 @@ def _casting(policies: dict[Path, Policy], lifted: frozenset[Path],
           if context.method_name == "__call__":  # Hugging Face's FlaxConv1D
             next_fun = hf_layers.fp8_call(module, path, policy, next_fun,
                                           _inside_lifted(path, lifted))
+            next_fun = fp8_conv_transpose.linen_call(module, path, policy, next_fun,
+                                                     _inside_lifted(path, lifted))
         stack.enter_context(_fields_set(module, fields))
         stack.enter_context(places.running(path, nested))
         stack.enter_context(scoped(path))

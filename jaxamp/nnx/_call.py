@@ -14,6 +14,7 @@ from flax.nnx import bridge as _bridge  # noqa: F401  (makes nnx.bridge importab
 
 from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
+from jaxamp import fp8_conv_transpose
 from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp import module_call
 from jaxamp import numerics
@@ -225,6 +226,7 @@ def _run_under(module: nnx.Module, fn: Callable[..., Any], policy: Policy,
       _set_attr(module, "attention_fn", half_dot_product_attention, undo)
     for name, value in fp8_lib.nnx_fields(module, policy).items():  # FP8: jaxamp.fp8
       _set_attr(module, name, value, undo)
+    fn = fp8_conv_transpose.nnx_call(module, policy, fn)
     call = _state.calls[-1]
     remat = module_call.remat_for(norm=fn in _RECOMPUTED, recompute_norms=call.recompute_norms,
                                   owns_slices=reads_slices, inputs=(args, kwargs),
