@@ -298,8 +298,9 @@ def call_under(library: Library, policy: Policy, args: tuple[Any, ...],
 def traced(fn: Callable[..., Any], *trees: Any) -> Any:
   """The jaxpr of ``fn(*trees)``, traced abstractly (nothing runs; arrays and shape
   structs alike), its array outputs kept. FP8 is suspended: traced inside a train step,
-  a census or plan pass must not read (or warn of missing) FP8 state."""
-  with fp8_lib.suspended():
+  a census or plan pass must not read (or warn of missing) FP8 state, nor record numerics
+  (its modules are copies)."""
+  with fp8_lib.suspended(), numerics.suspended():
     return _trace.abstractly(jax.make_jaxpr, _trace.arrays_of(fn), *trees)
 
 

@@ -44,7 +44,7 @@ from jaxamp.policy import get_policy
 
 __all__ = ["Numerics", "STATS", "KINDS", "whatif_policies", "stats", "size", "tensor_stats",
            "combine", "summarize",
-           "observe", "scope", "current", "name_modules", "name_of", "nan_stats", "warn_unobserved"]
+           "observe", "scope", "suspended", "current", "name_modules", "name_of", "nan_stats", "warn_unobserved"]
 
 KINDS = ("activation", "cotangent", "grad", "input")
 
@@ -303,6 +303,12 @@ def scope(probes: Mapping[Any, Any] | None, axes: Any = None,
   ``axes``: inside ``shard_map``, the batch axes."""
   with _scopes.pushed(_Scope(probes, axes, whatif)) as s:
     yield s
+
+
+def suspended() -> contextlib.AbstractContextManager[None]:
+  """Nothing recorded in this block: the abstract passes a module call makes (plans,
+  censuses, on copies of the modules) inside a recording step."""
+  return _scopes.pushed(None)
 
 
 def name_modules(named: Mapping[int, str]) -> None:

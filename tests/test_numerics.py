@@ -481,3 +481,27 @@ def test_modules_inside_their_own_scan_are_named_in_a_warning(fresh_warnings):
   got = metrics["numerics"]
   assert set(got) == {"", "head"}
   assert float(got[""]["grad"]["count"]) == 3 * (4 * 4 + 4)  # the stacked blocks'
+
+
+def test_the_plan_pass_of_a_half_model_is_not_taken_for_unobserved_modules(fresh_warnings):
+  """Under mixed_bfloat16 the NNX wrapper traces an abstract plan pass on copies of the
+  modules inside the step: it records nothing and warns of nothing."""
+  import warnings
+
+  from flax import nnx
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+      self.bn = nnx.BatchNorm(8, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.bn(self.lin(x))
+
+  train = jaxamp.make_train_step(loss, optax.sgd(0.0), policy="mixed_bfloat16",
+                                 numerics=jaxamp.Numerics(every=1))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, metrics = train.step(train.init(M()), X)
+  assert not [w for w in caught if "does not observe" in str(w.message)]
+  assert set(metrics["numerics"]) == {"", "lin", "bn"}
