@@ -17,25 +17,11 @@ from flax import nnx
 
 import jaxamp
 from jaxamp import fp8_conv
+from tests.test_fp8_conv import _quiet, dequantized  # noqa: F401  (_quiet: autouse fixture)
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 # FP8 with float32 compute: the layer's input is quantized as given.
 F32_FP8 = jaxamp.Policy("float32", "float32", "float32", fp8=jaxamp.CurrentScaling())
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*XLA on CPU runs FP8.*", category=RuntimeWarning)
-    warnings.filterwarnings("ignore", message=".*still run in float32.*")
-    yield
-
-
-def dequantized(a, fp8_max, dtype):
-  """``a`` as the FP8 convolution sees it (current scaling), in NumPy."""
-  a = np.asarray(a, np.float32)
-  scale = np.float32(fp8_max) / np.float32(np.abs(a).max())
-  return np.clip(a * scale, -fp8_max, fp8_max).astype(dtype).astype(np.float32) / scale
 
 
 # (input shape, kernel shape, lax.conv_transpose arguments); a transposed kernel is
