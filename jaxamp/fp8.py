@@ -727,9 +727,10 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   format has one); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
-  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8) or isinstance(
-      module, _conv_transposes()):
-    return {}  # no convolution in the format; a ConvTranspose: fp8_conv_transpose
+  if isinstance(module, _conv_transposes()):
+    return {}  # jaxamp.fp8_conv_transpose runs it
+  if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
+    return {}  # no convolution in the format
   path, what = nnx_where(module)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 

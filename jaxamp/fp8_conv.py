@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import types
-
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -79,8 +78,7 @@ def conv_params(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
     if any(d != 1 for d in lhs_dilation):
       raise ValueError(f"padding {padding!r} (a string) with lhs_dilation {lhs_dilation}: "
                        "as lax.conv_general_dilated, give explicit (low, high) pairs")
-    window = [(k - 1) * r + 1 for k, r in zip(np.take(rhs_shape, dn.rhs_spec[2:]),
-                                               rhs_dilation)]
+    window = _dilated(np.take(rhs_shape, dn.rhs_spec[2:]), rhs_dilation)
     padding = lax.padtype_to_pads(np.take(lhs_shape, dn.lhs_spec[2:]), window,
                                   window_strides, padding)
   return ConvParams(_ints(window_strides), tuple(_ints(p) for p in padding), lhs_dilation,
@@ -214,8 +212,7 @@ def conv_transpose(conv_general_dilated: Callable[..., jax.Array], lhs: jax.Arra
   rhs_dilation = tuple(rhs_dilation or (1,) * (rhs.ndim - 2))
   if use_consistent_padding or padding in ("SAME", "VALID"):
     pads = padding if not isinstance(padding, str) else [padding] * len(strides)
-    window = [(k - 1) * r + 1 for k, r in zip(np.take(rhs.shape, dn.rhs_spec[2:]),
-                                               rhs_dilation)]
+    window = _dilated(np.take(rhs.shape, dn.rhs_spec[2:]), rhs_dilation)
     padding = tuple(_transpose_padding(k, s, p) for k, s, p in zip(window, strides, pads))
   if transpose_kernel:  # spatial dimensions flipped, input and output features swapped
     rhs = jnp.flip(rhs, dn.rhs_spec[2:]).swapaxes(dn.rhs_spec[0], dn.rhs_spec[1])

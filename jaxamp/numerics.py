@@ -43,8 +43,8 @@ from jaxamp._stack import Stack
 from jaxamp.policy import get_policy
 
 __all__ = ["Numerics", "STATS", "KINDS", "whatif_policies", "stats", "size", "tensor_stats",
-           "combine", "summarize",
-           "observe", "scope", "suspended", "current", "name_modules", "name_of", "nan_stats", "warn_unobserved"]
+           "combine", "summarize", "observe", "scope", "suspended", "current", "name_modules",
+           "name_of", "warn_unobserved"]
 
 KINDS = ("activation", "cotangent", "grad", "input")
 
@@ -213,11 +213,6 @@ def _rounds_above(f: Any) -> float:
 def size(whatif: Any = ()) -> int:
   """The length of a raw record with ``whatif``'s columns."""
   return SIZE + 2 * len(whatif)
-
-
-def nan_stats(whatif: Any = ()) -> jax.Array:
-  """A raw record of a step that does not record."""
-  return jnp.full((size(whatif),), jnp.nan, jnp.float32)
 
 
 def combine(a: jax.Array, b: jax.Array) -> jax.Array:

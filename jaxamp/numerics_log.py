@@ -33,12 +33,10 @@ import jax
 import numpy as np
 
 from jaxamp import scaled
+from jaxamp.numerics import KINDS as _KINDS
 from jaxamp.policy import get_policy
 
 __all__ = ["NumericsLog", "PolicySuggestion", "suggest_policy"]
-
-_KINDS = ("activation", "cotangent", "grad", "input")
-
 
 class NumericsLog:
   """The numerics monitor's records across steps (host values), with the loss scale.
@@ -66,6 +64,12 @@ class NumericsLog:
                               not bool(host.get("grads_finite", True))))
     if bool(host.get("numerics_recorded", True)):
       self.records[int(step)] = jax.tree.map(float, host["numerics"])
+
+  def columns(self) -> set[str]:
+    """Every figure's name in the recorded steps (the what-if columns depend on the
+    ``Numerics(whatif=...)`` the log was taken with)."""
+    return {k for r in self.records.values() for kinds in r.values() for s in kinds.values()
+            for k in s}
 
   @property
   def modules(self) -> list[str]:
@@ -194,8 +198,7 @@ def _suffix(against: str | None, log: NumericsLog) -> str:
   recorded (``Numerics(whatif=...)``)."""
   if against is None:
     return ""
-  recorded = {k.removeprefix("underflow_") for r in log.records.values()
-              for kinds in r.values() for st in kinds.values() for k in st
+  recorded = {k.removeprefix("underflow_") for k in log.columns()
               if k.startswith("underflow_") and not k.endswith("_ls")}
   if against not in recorded:
     raise ValueError(f"against must be None (the compute dtype) or one this log recorded: "
@@ -232,8 +235,7 @@ def _fp8_checks(target: str, recipe: Any, log: NumericsLog) -> dict[str, tuple[s
   if getattr(scaled.format_of(recipe), "whatif", None) is None:  # per-tensor
     return {kind: (col,) for kind, col in _FP8_COLUMNS.items()}
   col = f"underflow_{target}"
-  if not any(col in s for r in log.records.values() for kinds in r.values()
-             for s in kinds.values()):
+  if col not in log.columns():
     raise ValueError(f"suggest_policy(target={target!r}) reads the what-if of {target!r}'s "
                      "scaling, which this log did not record: take it with "
                      f"make_train_step(..., numerics=jaxamp.Numerics(every=N, "

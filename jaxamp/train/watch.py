@@ -136,8 +136,8 @@ def report(watch: Watch, seen: dict[str, Any], grads: Any, default_dtype: Any,
     if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating):
       grouped.setdefault(_owner(leaf_name(path), modules), []).append(g)
   raw: dict[str, dict[str, jax.Array]] = {}
-  for kind in ("activation", "cotangent", "input"):
-    for path, r in seen[kind].items():
+  for kind, records in seen.items():  # activation, cotangent, input
+    for path, r in records.items():
       raw.setdefault(path, {})[kind] = r
   for path, leaves in grouped.items():
     dtype = np.dtype(watch.dtypes.get(path, default_dtype))
