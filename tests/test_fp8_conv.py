@@ -281,6 +281,30 @@ def _xent(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def trains_then_skips(train, state, batch, first):
+  """Two steps with no warning (no fallback, no unreached-layer warning), after which the
+  FP8 layer ``first``'s amax history holds the input's amax once per batch (Equinox under
+  vmap too: the batch is one tensor), as the bfloat16 input the layer reads; then a NaN
+  in the batch, which changes neither the parameters nor the FP8 state (the exact skip).
+  Returns the state after the skipped step and the history after the two steps."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):
+      state, metrics = train.step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  history = np.asarray(state.fp8[first].amax_history)
+  amax = float(jnp.max(jnp.abs(batch[0].astype(jnp.bfloat16))))
+  np.testing.assert_array_equal(history[0, :2], [amax, amax])
+  assert (history[:, :2] > 0).all() and not history[:, 2:].any()
+  before = jax.tree.map(np.asarray, (state.params, state.fp8))
+  nan = batch[0].at[(0,) * batch[0].ndim].set(jnp.nan)
+  state, metrics = train.step(state, (nan, batch[1]))
+  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (state.params, state.fp8)),
+               before)
+  return state, history
+
+
 def _setup(library):
   """(train step, state, batch, path of the first conv, its input's amax)"""
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8, 8, 3), jnp.float32)
@@ -307,25 +331,9 @@ def test_conv_layers_train_with_delayed_state_and_skip_a_nonfinite_batch(library
                                                                         fresh_warnings):
   train, state, batch, first, paths = _setup(library)
   assert set(state.fp8) == set(paths)  # every conv and dense layer keeps its own state
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # no fallback, no unreached-layer warning
-    for _ in range(2):
-      state, metrics = train.step(state, batch)
-  assert np.isfinite(float(metrics["loss"]))
-  history = np.asarray(state.fp8[first].amax_history)
-  # The input's amax, once per batch (Equinox under vmap too: the batch is one tensor),
-  # as the bfloat16 input the layer reads.
-  amax = float(jnp.max(jnp.abs(batch[0].astype(jnp.bfloat16))))
-  np.testing.assert_array_equal(history[0, :2], [amax, amax])
-  assert (history[:, :2] > 0).all() and not history[:, 2:].any()
-  scales = np.asarray(state.fp8[first].scale)
+  state, history = trains_then_skips(train, state, batch, first)
+  scales = np.asarray(state.fp8[first].scale)  # the skip kept them
   np.testing.assert_allclose(scales, [448, 448, 57344] / history.max(axis=1), rtol=1e-6)
-  # the exact skip: a NaN in the batch changes neither the parameters nor the FP8 state
-  before = jax.tree.map(np.asarray, (state.params, state.fp8))
-  state, metrics = train.step(state, (batch[0].at[0, 0, 0, 0].set(jnp.nan), batch[1]))
-  assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (state.params, state.fp8)),
-               before)
   convs = _convs(train.lower(state, batch, platforms=("cuda",)).as_text())
   assert sum(c.count("f8E4M3FN>") == 2 for c in convs) == 2, convs  # both forward convs
 
