@@ -187,7 +187,7 @@ def test_a_format_can_decline_convolutions():
     scaled.unregister(_Declines)
 
 
-def test_precision_report_counts_the_conv_flops_under_the_format():
+def test_precision_report_and_summary_show_the_conv_under_the_format():
   """The three GEMMs of a convolution (forward, input and kernel gradients) run with E4M3
   operands in the format's scope, each with the convolution's FLOPs; no convolution op
   is left."""
@@ -201,6 +201,9 @@ def test_precision_report_counts_the_conv_flops_under_the_format():
   assert all(op.kind == "dot_general" for op in r.ops), r.ops
   assert r.flops_by_format == {"fp8 e4m3fn/e5m2 rowwise": 3 * conv_flops}
   assert r.fp8_flops == r.total_flops == 3 * conv_flops
+  row = jaxamp.summary((layer, v), x, policy="mixed_fp8_rowwise").rows[0]
+  assert row.scaled_format == "fp8 e4m3fn/e5m2 rowwise", row
+  assert "float8_e4m3fn" in str(row.matmul_dtypes), row
 
 
 # --- conv layers training -------------------------------------------------------------------
