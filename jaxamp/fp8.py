@@ -526,14 +526,14 @@ def hook_classes(classes: Callable[[], tuple[type, ...]]) -> None:
   _hooked.append(classes)
 
 
-# Which of those are convolution layers (they run FP8 where the format has a convolution).
+# Which of those are convolution layers (they run FP8 where the format runs convolutions).
 _hooked_convs: list[Callable[[], tuple[type, ...]]] = [_flax_convs]
 
 
 def hook_conv_classes(classes: Callable[[], tuple[type, ...]]) -> None:
   """Registers a function giving the convolution layer classes among those of
-  :func:`hook_classes`: they run FP8 only where the policy's format defines
-  :meth:`jaxamp.scaled.ScaledFormat.conv_general_dilated`."""
+  :func:`hook_classes`: they run FP8 only where the policy's format runs convolutions
+  (:func:`jaxamp.scaled.runs_conv`)."""
   _hooked_convs.append(classes)
 
 
@@ -686,10 +686,10 @@ def warn_if_unused(plan: Any, model: str, policy: str | None = None,
     _warn_once.warn_once(
         ("fp8.unreached_conv", model, tuple(paths)),
         f"jaxamp: the convolution layers {shown} of {model} run in the compute dtype, not "
-        f"in {'/'.join(names)}: that format defines no convolution "
-        "(ScaledFormat.conv_general_dilated); the per-tensor FP8 recipes ('mixed_fp8', "
-        "'mixed_fp8_current') run them. Keep them out of it with jaxamp.set_policy(<class or "
-        "path>, 'mixed_bfloat16') to silence this.", RuntimeWarning, stacklevel=stacklevel)
+        f"in {'/'.join(names)}: that format declines convolutions "
+        "(ScaledFormat.runs_convolutions is False); the built-in FP8 recipes run them. Keep "
+        "them out of it with jaxamp.set_policy(<class or path>, 'mixed_bfloat16') to "
+        "silence this.", RuntimeWarning, stacklevel=stacklevel)
   if not any(runs_fp8(cls, p) for _, cls, p in plan):
     classes = sorted({cls.__name__ for _, cls, _ in plan})
     warnings.warn(
@@ -724,7 +724,7 @@ def recipes_of(plan: Any) -> dict[str, Fp8Recipe]:
 def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   """The attributes an NNX module gets under ``policy``: its FP8 ``dot_general`` (Linear,
   LinearGeneral), ``einsum_op`` (Einsum) or ``conv_general_dilated`` (Conv, where the
-  format has one); none for other modules and policies."""
+  format runs convolutions); none for other modules and policies."""
   if getattr(policy, "fp8", None) is None or not isinstance(module, nnx_classes()):
     return {}
   if isinstance(module, _conv_transposes()):
@@ -763,7 +763,7 @@ def nnx_where(module: Any) -> tuple[str | None, str]:
 def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
                  lifted: bool = False) -> dict[str, Any]:
   """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 dense
-  layers, ``conv_general_dilated`` for ``nn.Conv`` (where the format has one).
+  layers, ``conv_general_dilated`` for ``nn.Conv`` (where the format runs convolutions).
 
   ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``), once
   per slice of its stacked parameters: it gets no state (current scaling).

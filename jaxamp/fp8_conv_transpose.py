@@ -1,12 +1,13 @@
 """FP8 for Flax's ``ConvTranspose`` layers (NNX and Linen).
 
 They call ``lax.conv_transpose`` themselves, so no field of theirs takes a convolution (as
-``Conv``'s ``conv_general_dilated`` does). Under a format with a convolution (the
-per-tensor FP8 recipes), the module wrappers run their call as :func:`nnx_call` and
-:func:`linen_call` give it: the layer's own ``__call__`` (batch dimensions, padding modes
-including ``'CIRCULAR'``, mask, bias) with ``lax.conv_transpose`` taken through the
-format's convolution (:func:`jaxamp.fp8_conv.conv_transpose`), keyed by the module's path
-(:func:`jaxamp.scaled.conv_for`): E4M3 input and kernel, one scale each, state per layer.
+``Conv``'s ``conv_general_dilated`` does). Under a format that runs convolutions (every
+built-in one: :func:`jaxamp.scaled.runs_conv`), the module wrappers run their call as
+:func:`nnx_call` and :func:`linen_call` give it: the layer's own ``__call__`` (batch
+dimensions, padding modes including ``'CIRCULAR'``, mask, bias) with ``lax.conv_transpose``
+taken through the format's convolution (:func:`jaxamp.fp8_conv.conv_transpose`), keyed by
+the module's path (:func:`jaxamp.scaled.conv_for`): per-tensor FP8's E4M3 convolution,
+or the other formats' im2col GEMM (:mod:`jaxamp.patch_conv`), state per layer.
 
 Example:
   >>> import jaxamp

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -58,7 +59,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxamp import _warn_once
+from jaxamp import _warn_once, patch_conv
 from jaxamp._stack import Stack
 
 __all__ = [
@@ -97,11 +98,15 @@ class ScaledFormat(abc.ABC):
     min_compute_capability: the NVIDIA compute capability whose tensor cores run its
       matmuls natively (8.9: Ada and Hopper's FP8; 10.0: Blackwell's MX blocks); the
       policy's "no fast path here" warning names it.
+    runs_convolutions: whether convolution layers run in the format (through
+      :meth:`conv_general_dilated`); False leaves them in the compute dtype, with a
+      warning naming them.
   """
 
   name: str = "scaled"
   census_dtypes: frozenset[str] = frozenset()
   min_compute_capability: float = 8.9
+  runs_convolutions: bool = True
 
   @abc.abstractmethod
   def init_state(self, recipe: Any) -> Any:
@@ -122,12 +127,24 @@ class ScaledFormat(abc.ABC):
                            dimension_numbers: Any = None, feature_group_count: int = 1,
                            batch_group_count: int = 1, precision: Any = None,
                            preferred_element_type: Any = None, *, state: Any,
-                           recipe: Any) -> jax.Array:
-    """Optional: a convolution layer's convolution (``lhs`` the input, ``rhs`` the
-    kernel), as ``lax.conv_general_dilated``, with ``state`` as for :meth:`dot_general`.
-    A format that does not define it leaves convolution layers in the compute dtype
-    (with a warning naming them): :func:`runs_conv` tells."""
-    raise NotImplementedError(f"the {self.name} format runs no convolutions")
+                           recipe: Any, **kwargs: Any) -> jax.Array:
+    """A convolution layer's convolution (``lhs`` the input, ``rhs`` the kernel), as
+    ``lax.conv_general_dilated``, with ``state`` as for :meth:`dot_general`.
+
+    By default an im2col GEMM through the format's own :meth:`dot_general`
+    (:func:`jaxamp.patch_conv.conv_general_dilated`: the input's patches times the kernel
+    as ``[C_in * prod(window), C_out]``, groups a batch dimension of the dot), so a format
+    defining only a dot runs convolution layers too. A format may define its own (the
+    per-tensor FP8 one runs FP8 convolutions), or decline convolutions with
+    ``runs_convolutions = False``: its convolution layers then stay in the compute dtype,
+    with a warning naming them (:func:`runs_conv` tells)."""
+    if not self.runs_convolutions:
+      raise NotImplementedError(f"the {self.name} format runs no convolutions")
+    dot = functools.partial(self.dot_general, state=state, recipe=recipe, **kwargs)
+    return patch_conv.conv_general_dilated(
+        dot, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+        dimension_numbers, feature_group_count, batch_group_count, precision,
+        preferred_element_type)
 
   @abc.abstractmethod
   def update(self, state: Any, cotangent: Any, recipe: Any) -> Any:
@@ -531,10 +548,11 @@ def refuse_extra_arguments(kwargs: Mapping[str, Any], what: str, function: str) 
 
 
 def runs_conv(recipe: Any) -> bool:
-  """Whether ``recipe``'s format defines :meth:`ScaledFormat.conv_general_dilated`."""
+  """Whether ``recipe``'s format runs convolution layers
+  (:attr:`ScaledFormat.runs_convolutions`: its own convolution or the default im2col
+  GEMM through its dot)."""
   fmt = _lookup(recipe)
-  return fmt is not None and (type(fmt).conv_general_dilated
-                              is not ScaledFormat.conv_general_dilated)
+  return fmt is not None and bool(fmt.runs_convolutions)
 
 
 def conv_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:

@@ -338,19 +338,37 @@ def test_conv_layers_train_with_delayed_state_and_skip_a_nonfinite_batch(library
   assert sum(c.count("f8E4M3FN>") == 2 for c in convs) == 2, convs  # both forward convs
 
 
+class _Declines(jaxamp.RowwiseScaling):
+  """A recipe whose format declines convolutions (ScaledFormat.runs_convolutions)."""
+
+
+class _DecliningFormat(type(jaxamp.scaled.format_of(jaxamp.RowwiseScaling()))):
+  name = "no-conv rowwise"
+  runs_convolutions = False
+
+
+@pytest.fixture
+def declining_policy():
+  """A policy whose format (rowwise FP8 for dense layers) declines convolutions."""
+  jaxamp.scaled.register(_Declines, _DecliningFormat())
+  yield jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, fp8=_Declines())
+  jaxamp.scaled.unregister(_Declines)
+
+
 @pytest.mark.slow
-def test_a_format_without_a_convolution_leaves_conv_layers_in_the_compute_dtype(
-    fresh_warnings):
-  """Rowwise FP8 defines no convolution: the conv layers run in bfloat16, get no state,
-  and a warning names them; the dense layer still runs its format."""
+def test_a_format_declining_convolutions_leaves_conv_layers_in_the_compute_dtype(
+    fresh_warnings, declining_policy):
+  """The conv layers run in bfloat16, get no state, and a warning names them; the dense
+  layer still runs its format."""
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8, 8, 3), jnp.float32)
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
-                                 policy="mixed_fp8_rowwise")
+                                 policy=declining_policy)
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     state = train.init(_NNXCNN(nnx.Rngs(0)))
   msgs = [str(w.message) for w in seen if "convolution layers" in str(w.message)]
   assert len(msgs) == 1 and "'c1', 'c2'" in msgs[0] and "compute dtype" in msgs[0], msgs
-  assert "c1" not in (state.fp8 or {})
+  assert "no-conv rowwise" in msgs[0] and "declines convolutions" in msgs[0], msgs
+  assert "c1" not in (state.fp8 or {}) and "out" in state.fp8
   convs = _convs(train.lower(state, x).as_text())
   assert convs and all("f8E4M3FN" not in c and "bf16" in c for c in convs), convs

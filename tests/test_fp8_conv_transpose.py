@@ -17,8 +17,8 @@ from flax import nnx
 
 import jaxamp
 from jaxamp import fp8_conv
-from tests.test_fp8_conv import (_quiet, _xent, dequantized,  # noqa: F401  (_quiet: autouse)
-                                  trains_then_skips)
+from tests.test_fp8_conv import (_quiet, _xent, declining_policy,  # noqa: F401  (fixtures)
+                                  dequantized, trains_then_skips)
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 # FP8 with float32 compute: the layer's input is quantized as given.
@@ -309,11 +309,11 @@ def test_a_subclass_with_its_own_call_runs_in_the_compute_dtype_with_a_warning(
 
 
 @pytest.mark.slow
-def test_a_format_without_a_convolution_leaves_conv_transpose_in_the_compute_dtype(
-    fresh_warnings):
+def test_a_format_declining_convolutions_leaves_conv_transpose_in_the_compute_dtype(
+    fresh_warnings, declining_policy):
   x = jnp.ones((2, 6, 6, 3))
   train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
-                                 policy="mixed_fp8_rowwise")
+                                 policy=declining_policy)
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     state = train.init(_NNXDecoder(nnx.Rngs(0)))
