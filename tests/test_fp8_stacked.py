@@ -211,3 +211,82 @@ def test_a_scan_broadcasting_the_state_falls_back_to_current_scaling(fresh_warni
   assert np.isfinite(float(metrics["loss"]))
   jax.tree.map(np.testing.assert_array_equal, state.fp8["blocks"], before)
   assert np.asarray(state.fp8["head"].amax_history)[:, 0].all()
+
+
+@pytest.mark.slow
+def test_grad_accumulation_records_each_micro_batch_per_layer_and_eval_reads_the_state():
+  train = _train(grad_accum_steps=2)
+  x = _batches(1)[0]
+  state, _ = train.step(train.init(_stack()), x)
+  history = np.asarray(state.fp8["blocks"].amax_history)
+  halves = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)).reshape(2, 2, 8)
+  # The first layer's input: the second micro-batch's amax newest, the first's before it.
+  np.testing.assert_array_equal(history[0, 0, :2], [np.abs(halves[1]).max(),
+                                                    np.abs(halves[0]).max()])
+  assert history[:, :, :2].all() and not history[:, :, 2:].any()
+  assert np.isfinite(float(train.eval_step(state, x)))
+
+
+class _EinsumBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Einsum("bi,io->bo", (8, 8), rngs=rngs)
+    self.b = nnx.LinearGeneral(8, (2, 4), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.b(self.a(x)).reshape(x.shape))
+
+
+class _ConvBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(2, 2, (3,), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.conv(x))
+
+
+def _scanned(block, n=3):
+  class Stack(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=n)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return block(rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, b):
+        return b(x)
+
+      return body(x, self.blocks)
+
+  return Stack()
+
+
+@pytest.mark.slow
+def test_einsum_and_linear_general_in_a_scanned_block_keep_per_layer_state(fresh_warnings):
+  train = _train()
+  state = train.init(_scanned(_EinsumBlock))
+  assert set(state.fp8) == {"blocks/a", "blocks/b"}
+  assert all(m.amax_history.shape == (3, 3, 4) for m in state.fp8.values())
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, jnp.ones((4, 8)))
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  first = np.asarray(state.fp8["blocks/a"].amax_history)
+  assert first[0, 0, 0] == 1.0 and first[:, :, 0].all()  # the first layer reads the ones
+  assert np.asarray(state.fp8["blocks/b"].amax_history)[:, :, 0].all()
+
+
+@pytest.mark.slow
+def test_stacked_convolutions_keep_the_current_scaling_fallback(fresh_warnings):
+  train = _train()
+  state = train.init(_scanned(_ConvBlock, n=2))
+  assert state.fp8 is None
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, jnp.ones((2, 6, 2)))
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "FP8 Conv blocks/conv has no delayed-scaling state" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
