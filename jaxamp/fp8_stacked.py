@@ -38,8 +38,8 @@ from flax import nnx
 
 from jaxamp import scaled
 
-__all__ = ["Stacked", "StackedFormat", "StackedState", "attach", "extra_dims", "rows",
-           "state_of"]
+__all__ = ["Stacked", "StackedFormat", "StackedState", "attach", "extra_dims", "keeps_state",
+           "rows", "state_of"]
 
 # The attribute of a stacked layer holding its StackedState in the step's model copy.
 ATTR = "_jaxamp_fp8_stacked"
@@ -117,7 +117,7 @@ def keeps_state(module: Any) -> bool:
   return not isinstance(module, (nnx.Conv, nnx.ConvTranspose))
 
 
-def rows(model: Any, rows: list[Any], classes: tuple[type, ...],
+def rows(model: Any, plan: list[Any], classes: tuple[type, ...],
          path_name: Callable[[Any], str]) -> list[Any]:
   """The ``(path, class, policy)`` rows of an NNX ``model``'s scaled-format modules with
   each stacked layer's policy given a :class:`Stacked` recipe (its state is then stacked)
@@ -125,7 +125,7 @@ def rows(model: Any, rows: list[Any], classes: tuple[type, ...],
   dims = {path_name(path): (extra_dims(node), keeps_state(node))
           for path, node in nnx.iter_graph(model) if isinstance(node, classes)}
   out = []
-  for path, cls, policy in rows:
+  for path, cls, policy in plan:
     found, keep = dims.get(path, ((), True))
     if found and keep and getattr(policy, "fp8", None) is not None:
       policy = type(policy)(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
@@ -141,17 +141,19 @@ class StackedState(nnx.Variable):
   kernel."""
 
 
-def attach(model: Any, state: dict[str, Any], path_name: Callable[[Any], str]) -> None:
-  """Gives each stacked layer of the NNX ``model`` (the step's own copy) whose path has
-  state in ``state`` that state as a :class:`StackedState`."""
+def attach(model: Any, state: dict[str, Any], classes: tuple[type, ...],
+           path_name: Callable[[Any], str]) -> None:
+  """Gives each stacked layer (of ``classes``) of the NNX ``model`` (the step's own copy)
+  whose path has state in ``state`` that state as a :class:`StackedState`."""
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and hasattr(node, "kernel"):
+    if isinstance(node, classes):
       name = path_name(path)
       if name in state and extra_dims(node):
         setattr(node, ATTR, StackedState(state[name]))
 
 
 FROM_SCOPE = object()
+"""What :func:`state_of` returns for a layer holding no :class:`StackedState`."""
 
 
 def state_of(module: Any, recipe: Any) -> Any:
@@ -163,6 +165,6 @@ def state_of(module: Any, recipe: Any) -> Any:
   if held is None:
     return FROM_SCOPE
   value = held.get_value()
-  one = scaled.format_of(recipe).init_state(recipe)
-  same = jax.tree.map(lambda a, b: jnp.shape(a) == jnp.shape(b), value, one)
+  one = jax.eval_shape(lambda: scaled.format_of(recipe).init_state(recipe))
+  same = jax.tree.map(lambda a, b: jnp.shape(a) == b.shape, value, one)
   return value if all(jax.tree.leaves(same)) else None

@@ -73,7 +73,7 @@ class NNXAdapter:
     fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
     scope = scaled.current()
     if scope is not None and scope.state:  # stacked layers carry theirs into nnx.scan
-      fp8_stacked.attach(model, scope.state, path_name)
+      fp8_stacked.attach(model, scope.state, fp8_lib.nnx_classes(), path_name)
     if numerics.current() is not None:  # the numerics monitor records by module path
       numerics.name_modules({id(node): path_name(path) for path, node in nnx.iter_graph(model)
                              if isinstance(node, nnx.Module)})
