@@ -290,3 +290,46 @@ def test_stacked_convolutions_keep_the_current_scaling_fallback(fresh_warnings):
   msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
   assert len(msgs) == 1 and "FP8 Conv blocks/conv has no delayed-scaling state" in msgs[0], msgs
   assert np.isfinite(float(metrics["loss"]))
+
+
+_MESH_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import warnings
+warnings.filterwarnings("ignore")
+import jax, numpy as np
+import jaxamp
+import test_fp8_stacked as t
+
+assert jax.device_count() == 2
+x = t._batches(1)[0]
+one = t._train()
+single, _ = one.step(one.init(t._stack()), x)
+mesh = jax.make_mesh((2,), ("data",))
+for name, param_sharding in [("replicated", None), ("fsdp", jaxamp.fsdp("data", min_size=1))]:
+  train = t._train(sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=param_sharding))
+  state, _ = train.step(train.init(t._stack()), x)
+  for path in ("blocks", "head"):
+    for got, want in zip(state.fp8[path], single.fp8[path]):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+  print(name, "ok")
+print("STACKED-MESH-OK")
+"""
+
+
+@pytest.mark.slow
+def test_stacked_state_with_a_mesh_equals_one_devices(tmp_path):
+  """Data parallel and FSDP on 2 CPU devices: each layer's amaxes are maxed over the
+  devices, so the stacked state equals the one-device step's bit for bit."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  from train_helpers import run_script  # pylint: disable=g-import-not-at-top
+
+  tests = os.path.dirname(os.path.abspath(__file__))
+  out = run_script(_MESH_SCRIPT.format(root=os.path.dirname(tests), tests=tests), tmp_path,
+                   "stacked_mesh.py",
+                   env={"JAX_PLATFORMS": "cpu",
+                        "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                                     "--xla_backend_optimization_level=0"})
+  assert "STACKED-MESH-OK" in out, out
