@@ -333,3 +333,19 @@ def test_stacked_state_with_a_mesh_equals_one_devices(tmp_path):
                         "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
                                      "--xla_backend_optimization_level=0"})
   assert "STACKED-MESH-OK" in out, out
+
+
+@pytest.mark.slow
+def test_a_state_without_the_stacked_entries_gets_fresh_ones_with_a_warning(fresh_warnings):
+  """A checkpoint saved before stacked layers kept state (``fp8`` without ``'blocks'``):
+  the step gives the stack a fresh state, keeps the head's, and says so."""
+  train = _train()
+  x = _batches(1)[0]
+  state, _ = train.step(train.init(_stack()), x)
+  head = jax.tree.map(np.asarray, state.fp8["head"])
+  old = state._replace(fp8={"head": state.fp8["head"]})
+  with pytest.warns(RuntimeWarning, match="fresh state for blocks"):
+    state, _ = train.step(old, x)
+  history = np.asarray(state.fp8["blocks"].amax_history)
+  assert history[:, :, 0].all() and not history[:, :, 1:].any()  # one step recorded
+  np.testing.assert_array_equal(state.fp8["head"].amax_history[:, 1], head.amax_history[:, 0])
