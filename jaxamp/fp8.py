@@ -564,13 +564,6 @@ def runs_fp8(cls: type, policy: Any) -> bool:
   return not is_conv(cls) or scaled.runs_conv(policy.fp8)
 
 
-def nnx_stacked(module: Any) -> bool:
-  """Whether an NNX FP8 layer holds a stack of kernels (one per step of an ``nnx.scan``,
-  made by ``nnx.vmap``): more kernel dimensions than the layer declares. Such layers
-  keep a stacked state (:mod:`jaxamp.fp8_stacked`)."""
-  return bool(fp8_stacked.extra_dims(module))
-
-
 _HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Linen Dense, DenseGeneral, "
            "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv, ConvTranspose")
 
