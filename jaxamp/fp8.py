@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _warn_once, dtypes, fp8_conv, fp8_gather, scaled
+from jaxamp import _warn_once, dtypes, fp8_conv, fp8_gather, fp8_stacked, scaled
 from jaxamp.recipes import (E4M3, E5M2, CurrentScaling, DelayedScaling,  # re-exported
                             Fp8Recipe, check_recipe)
 
@@ -564,21 +564,6 @@ def runs_fp8(cls: type, policy: Any) -> bool:
   return not is_conv(cls) or scaled.runs_conv(policy.fp8)
 
 
-def nnx_stacked(module: Any) -> bool:
-  """Whether an NNX FP8 layer holds a stack of kernels (one per step of an ``nnx.scan``,
-  made by ``nnx.vmap``): more kernel dimensions than the layer declares. Such layers
-  run with current scaling and get no state."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  if isinstance(module, (nnx.Einsum, nnx.Conv, nnx.ConvTranspose)):
-    declared = len(module.kernel_shape)
-  elif isinstance(module, nnx.LinearGeneral):
-    declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
-  else:
-    declared = 2
-  return jnp.ndim(module.kernel) > declared
-
-
 _HOOKED = ("NNX Linear, LinearGeneral, Einsum, Conv, ConvTranspose, Linen Dense, DenseGeneral, "
            "Conv, ConvTranspose, Hugging Face FlaxConv1D and Equinox Linear, Conv, ConvTranspose")
 
@@ -732,6 +717,11 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
     return {}  # no convolution in the format
   path, what = nnx_where(module)
+  own = fp8_stacked.state_of(module, policy.fp8)  # a stacked layer's slice of its state
+  if own is fp8_stacked.FROM_SCOPE:
+    own = None
+  elif own is None:
+    path = None  # its scan did not slice the state: it runs without (and warns)
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   attrs = vars(module)
@@ -743,11 +733,11 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
     if attrs.get("einsum_op") is not jnp.einsum:
       return {}  # the user's own op: theirs to keep
     return {"einsum_op": functools.partial(scaled_einsum,
-                                           dot_general=scaled.dot_for(path, policy.fp8, what))}
+                                           dot_general=scaled.dot_for(path, policy.fp8, what, own))}
   if attrs.get("dot_general_cls") is not None or attrs.get("dot_general") not in (
       None, lax.dot_general):
     return {}  # the user's own dot: theirs to keep
-  return {"dot_general": scaled.dot_for(path, policy.fp8, what)}
+  return {"dot_general": scaled.dot_for(path, policy.fp8, what, own)}
 
 
 def nnx_where(module: Any) -> tuple[str | None, str]:

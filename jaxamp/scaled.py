@@ -402,14 +402,15 @@ def retraced(path: str | None) -> None:
     scope.used.discard(path)
 
 
-def _checked(path: str | None, recipe: Any, what: str) -> tuple[ScaledFormat, Any,
-                                                                   Callable[[], None]]:
+def _checked(path: str | None, recipe: Any, what: str, own: Any = None
+             ) -> tuple[ScaledFormat, Any, Callable[[], None]]:
   """The format of ``recipe``, the state of the module at ``path`` in the running scope,
   and the check its operation runs when it runs (not before: a module whose matmul does
   not run, an outer-product einsum, keeps its state; one run twice in a step is
   refused)."""
   scope = current()
   state = scope.state.get(path) if scope is not None and path is not None else None
+  state = state if own is None else own
   fmt = format_of(recipe)
 
   def check():
@@ -432,15 +433,16 @@ def _checked(path: str | None, recipe: Any, what: str) -> tuple[ScaledFormat, An
   return fmt, state, check
 
 
-def dot_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
+def dot_for(path: str | None, recipe: Any, what: str, own: Any = None) -> Callable[..., Any]:
   """The ``dot_general`` of the module at ``path`` (``what`` names it in messages) in the
-  running scope: its format's, with its state.
+  running scope: its format's, with its state (``own``, where given: a stacked layer's
+  slice of its state, :mod:`jaxamp.fp8_stacked`).
 
   The state is read when the module's matmul runs, not before: a module whose matmul
   does not run (an outer-product einsum) keeps its state, and one whose matmul runs
   twice in a step is refused.
   """
-  fmt, state, check = _checked(path, recipe, what)
+  fmt, state, check = _checked(path, recipe, what, own)
 
   def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
           **kwargs):

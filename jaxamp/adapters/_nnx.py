@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxamp import fp8 as fp8_lib
 from jaxamp import nnx as amp_nnx
-from jaxamp import numerics
+from jaxamp import fp8_stacked, numerics, scaled
 from jaxamp._flax_compat import set_attr_unchecked
 from jaxamp.adapters._common import check_in_range, module_params
 from jaxamp.adapters._registry import Split
@@ -71,6 +71,9 @@ class NNXAdapter:
     if shards is not None:
       _gather_on_read(model, params, shards)
     fp8_lib.name_nnx_modules(model, path_name)  # FP8 state keys, if a step threads one
+    scope = scaled.current()
+    if scope is not None and scope.state:  # stacked layers carry theirs into nnx.scan
+      fp8_stacked.attach(model, scope.state, fp8_lib.nnx_classes(), path_name)
     if numerics.current() is not None:  # the numerics monitor records by module path
       numerics.name_modules({id(node): path_name(path) for path, node in nnx.iter_graph(model)
                              if isinstance(node, nnx.Module)})
@@ -79,7 +82,8 @@ class NNXAdapter:
     kind = Float32Outputs if float32_outputs else amp_nnx.PolicyModule
     # The step decides on half_residuals for the whole loss (train.gradients).
     view = kind(model, policy, recompute_norms=self.recompute_norms, half_residuals=False)
-    return view, lambda: _plain(nnx.split(model, nnx.Param, ...)[2])
+    return view, lambda: _plain(nnx.split(model, nnx.Param, fp8_stacked.StackedState,
+                                          ...)[3])
 
   def model(self, state: Any) -> nnx.Module:
     return nnx.merge(self.graphdef, state.params, state.model_state)
@@ -123,10 +127,8 @@ class _NNX:
     rows = amp_nnx.module_policies(model, policy)
     fp8_rows = rows
     if any(fp8_lib.runs_fp8(cls, p) for _, cls, p in rows):
-      # Layers holding one kernel per nnx.scan step run FP8 with current scaling.
-      stacked = {path_name(path) for path, node in nnx.iter_graph(model)
-                 if isinstance(node, fp8_lib.nnx_classes()) and fp8_lib.nnx_stacked(node)}
-      fp8_rows = [row for row in rows if row[0] not in stacked]
+      # Layers holding one kernel per nnx.scan step keep one state per kernel.
+      fp8_rows = fp8_stacked.rows(model, rows, fp8_lib.nnx_classes(), path_name)
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     return Split(NNXAdapter(graphdef, recompute_norms), params, model_state, rows, fp8_rows)
 

@@ -111,9 +111,10 @@ def _fp8_gathered(params: Any, recipes: Mapping[str, Any],
   """Per param leaf, the recipe (in ``recipes``: those of the modules keeping scaled-format
   state) of the module whose kernel it is (its ``kernel`` or ``weight``, held by that
   module alone), or None: the leaves the sharded step may gather in that format
-  (``ShardingConfig.fp8_gather``). Modules without state (stacked layers of a scan,
-  lifted Linen modules) read one layer of their kernel and are left out: one scale for
-  the whole stack would not be theirs."""
+  (``ShardingConfig.fp8_gather``). Stacked layers of a scan (whose stacked recipe,
+  :class:`jaxamp.fp8_stacked.Stacked`, gathers nothing quantized) and lifted Linen
+  modules (no state) read one layer of their kernel: one scale for the whole stack would
+  not be theirs, and they keep the compute-dtype gather."""
   out = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
     leaf = leaf_name(path)

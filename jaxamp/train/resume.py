@@ -13,7 +13,9 @@ warning saying what changed:
   uses: 1 (no scaling) in a step that scales the loss (float16), or anything but 1 in a
   step that does not; ``overflow_steps`` (``skipped_steps``) is kept;
 - the step's fresh scaled-format state where the state has none, and none where the
-  step's policy keeps none.
+  step's policy keeps none; where both have one, a module's fresh state where the state
+  lacks it (a checkpoint from before stacked NNX layers kept theirs), and none for a
+  module the step keeps none for.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def _placed(host: Any, shardings: Any) -> Any:
 
 def _scaled_fitted(fresh: Fresh, scaled: Any, stacklevel: int) -> Any:
   if (scaled is None) == (fresh.scaled is None):
-    return scaled
+    return _modules_fitted(fresh, scaled, stacklevel + 1)
   if scaled is None:
     warnings.warn(
         f"jaxamp: this state has no scaled-format state (it was made under a policy "
@@ -129,6 +131,26 @@ def _scaled_fitted(fresh: Fresh, scaled: Any, stacklevel: int) -> Any:
       f"{fresh.policy!r} does not use: it is dropped.", RuntimeWarning,
       stacklevel=stacklevel)
   return None
+
+
+def _modules_fitted(fresh: Fresh, scaled: Any, stacklevel: int) -> Any:
+  """``scaled`` keyed by the modules the step keeps state for: a module it lacks (a
+  checkpoint from before stacked NNX layers kept theirs) starts fresh, one the step does
+  not keep is dropped, with a warning naming them."""
+  if not isinstance(scaled, dict) or not isinstance(fresh.scaled, dict) or (
+      scaled.keys() == fresh.scaled.keys()):
+    return scaled
+  new = sorted(fresh.scaled.keys() - scaled.keys())
+  gone = sorted(scaled.keys() - fresh.scaled.keys())
+  warnings.warn(
+      f"jaxamp: this state's scaled-format state (FP8 amax histories and scales) is not "
+      f"kept for the modules this step's policy {fresh.policy!r} runs: "
+      f"{'fresh state for ' + ', '.join(new) if new else ''}"
+      f"{'; ' if new and gone else ''}{'dropped: ' + ', '.join(gone) if gone else ''} "
+      "(a checkpoint saved before stacked NNX layers under nnx.scan kept FP8 state lacks "
+      "theirs).", RuntimeWarning, stacklevel=stacklevel)
+  placed = _placed(fresh.scaled, fresh.scaled_shardings)
+  return {k: scaled[k] if k in scaled else placed[k] for k in fresh.scaled}
 
 
 def _scale_fitted(fresh: Fresh, opt_state: Any, stacklevel: int) -> Any:

@@ -1,0 +1,170 @@
+"""Delayed scaling for stacked NNX layers: one state per layer of an ``nnx.scan`` stack.
+
+A transformer's blocks are often one NNX layer holding a stack of kernels (made by
+``nnx.vmap``, ``[L, in, out]``) that an ``nnx.scan`` runs one slice per step. Its scaled
+format's state (FP8's :class:`jaxamp.fp8.Fp8Meta`) is kept stacked the same way:
+
+- at init, the format's ``init_state`` broadcast to the kernel's extra leading
+  dimensions (``amax_history [L, 3, H]``, ``scale [L, 3]``), under a :class:`Stacked`
+  recipe wrapping the layer's own (its format, :class:`StackedFormat`, runs the wrapped
+  format's ``update``, ``reduce`` and ``kept_on_skip`` once per layer);
+- in the step, the layer of the step's model copy holds it as a :class:`StackedState`
+  Variable (:func:`attach`), which the user's ``nnx.scan`` (``in_axes=(nnx.Carry, 0)``)
+  slices along axis 0 with the kernel: inside the body the layer's matmul reads its
+  slice (:func:`state_of`), and the slice's cotangent (the new amaxes) flows back through
+  the scan into the stacked state's;
+- a scan that does not slice the Variable (``nnx.StateAxes`` broadcasting all but
+  ``nnx.Param``) leaves the layer without state: it warns and runs current scaling, as
+  before.
+
+Example:
+  >>> import jax.numpy as jnp, jaxamp
+  >>> from jaxamp import fp8_stacked, scaled
+  >>> recipe = fp8_stacked.Stacked(jaxamp.DelayedScaling(amax_history_len=4), (2,))
+  >>> meta = scaled.format_of(recipe).init_state(recipe)
+  >>> meta.amax_history.shape, meta.scale.shape
+  ((2, 3, 4), (2, 3))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxamp import scaled
+
+__all__ = ["Stacked", "StackedFormat", "StackedState", "attach", "extra_dims", "keeps_state",
+           "rows", "state_of"]
+
+# The attribute of a stacked layer holding its StackedState in the step's model copy.
+ATTR = "_jaxamp_fp8_stacked"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+  """The recipe of a stacked layer: its own ``recipe``, run once per index of its
+  kernel's extra leading dimensions ``dims`` (``(L,)`` for one ``nnx.scan`` stack)."""
+
+  recipe: Any
+  dims: tuple[int, ...]
+
+
+def _per_layer(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+  for _ in range(n):
+    fn = jax.vmap(fn)
+  return fn
+
+
+class StackedFormat(scaled.ScaledFormat):
+  """The format of :class:`Stacked` recipes: the wrapped recipe's format, its state
+  stacked over the recipe's ``dims``, updated layer by layer."""
+
+  name = "stacked"
+
+  def init_state(self, recipe: Stacked) -> Any:
+    one = scaled.format_of(recipe.recipe).init_state(recipe.recipe)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (*recipe.dims, *jnp.shape(x))), one)
+
+  def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, *, state, recipe, **kwargs):
+    raise NotImplementedError("a stacked layer's matmul runs its own recipe on its slice "
+                              "of the state (jaxamp.fp8_stacked.state_of)")
+
+  def update(self, state: Any, cotangent: Any, recipe: Stacked) -> Any:
+    fmt, inner = scaled.format_of(recipe.recipe), recipe.recipe
+    return _per_layer(lambda s, c: fmt.update(s, c, inner), len(recipe.dims))(
+        state, cotangent)
+
+  def reduce(self, cotangent: Any, recipe: Stacked, axes: Any) -> Any:
+    fmt, inner = scaled.format_of(recipe.recipe), recipe.recipe
+    return _per_layer(lambda c: fmt.reduce(c, inner, axes), len(recipe.dims))(cotangent)
+
+  def kept_on_skip(self, old: Any, new: Any, recipe: Stacked) -> Any:
+    fmt, inner = scaled.format_of(recipe.recipe), recipe.recipe
+    return _per_layer(lambda o, n: fmt.kept_on_skip(o, n, inner), len(recipe.dims))(
+        old, new)
+
+  def describe(self, recipe: Stacked) -> str:
+    return scaled.describe(recipe.recipe)
+
+
+STACKED = StackedFormat()
+scaled.register(Stacked, STACKED)
+
+
+def extra_dims(module: Any) -> tuple[int, ...]:
+  """The leading dimensions of an NNX FP8 layer's kernel beyond those the layer
+  declares (``(L,)`` for a layer made by ``nnx.vmap`` for an ``nnx.scan`` stack; ``()``
+  for a plain layer)."""
+  if isinstance(module, (nnx.Einsum, nnx.Conv, nnx.ConvTranspose)):
+    declared = len(module.kernel_shape)
+  elif isinstance(module, nnx.LinearGeneral):
+    declared = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
+  else:
+    declared = 2
+  shape = jnp.shape(module.kernel)
+  return tuple(int(d) for d in shape[:max(len(shape) - declared, 0)])
+
+
+def keeps_state(module: Any) -> bool:
+  """Whether a stacked layer gets a stacked state: one running a matmul (a ``Linear``,
+  ``LinearGeneral`` or ``Einsum``); stacked convolutions run with current scaling."""
+  return not isinstance(module, (nnx.Conv, nnx.ConvTranspose))
+
+
+def rows(model: Any, plan: list[Any], classes: tuple[type, ...],
+         path_name: Callable[[Any], str]) -> list[Any]:
+  """The ``(path, class, policy)`` rows of an NNX ``model``'s scaled-format modules with
+  each stacked layer's policy given a :class:`Stacked` recipe (its state is then stacked)
+  and stacked convolutions left out (they run without state)."""
+  dims = {path_name(path): (extra_dims(node), keeps_state(node))
+          for path, node in nnx.iter_graph(model) if isinstance(node, classes)}
+  out = []
+  for path, cls, policy in plan:
+    found, keep = dims.get(path, ((), True))
+    if found and keep and getattr(policy, "fp8", None) is not None:
+      policy = type(policy)(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
+                            fp8=Stacked(policy.fp8, found))
+    if keep or not found:
+      out.append((path, cls, policy))
+  return out
+
+
+class StackedState(nnx.Variable):
+  """A stacked layer's scaled-format state in the step's model copy (jaxamp's own: no
+  ``nnx.Param``, so no optimizer or cast reaches it). ``nnx.scan`` slices it with the
+  kernel."""
+
+
+def attach(model: Any, state: dict[str, Any], classes: tuple[type, ...],
+           path_name: Callable[[Any], str]) -> None:
+  """Gives each stacked layer (of ``classes``) of the NNX ``model`` (the step's own copy)
+  whose path has state in ``state`` that state as a :class:`StackedState`."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, classes):
+      name = path_name(path)
+      if name in state and extra_dims(node):
+        setattr(node, ATTR, StackedState(state[name]))
+
+
+FROM_SCOPE = object()
+"""What :func:`state_of` returns for a layer holding no :class:`StackedState`."""
+
+
+def state_of(module: Any, recipe: Any) -> Any:
+  """What a layer's matmul reads: its slice of a :class:`StackedState` (inside the scan
+  body), ``None`` where that Variable was not sliced (a scan that broadcasts it: the
+  layer runs without state, warning), or :data:`FROM_SCOPE` for a layer holding none
+  (its state is the running scope's)."""
+  held = vars(module).get(ATTR)
+  if held is None:
+    return FROM_SCOPE
+  value = held.get_value()
+  one = jax.eval_shape(lambda: scaled.format_of(recipe).init_state(recipe))
+  same = jax.tree.map(lambda a, b: jnp.shape(a) == b.shape, value, one)
+  return value if all(jax.tree.leaves(same)) else None

@@ -1,0 +1,351 @@
+"""Delayed FP8 scaling for stacked NNX layers run by ``nnx.scan`` (:mod:`jaxamp.fp8_stacked`).
+
+The reference is the same model written unrolled: L separate ``nnx.Linear`` layers
+holding the stack's kernels, each with its own (unstacked) state. Each slice of the
+stacked state must follow the matching layer's state, and the parameters the unrolled
+model's.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+from jaxamp import fp8_stacked, scaled
+
+L = 2
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*XLA on CPU.*")
+    yield
+
+
+def _stack(remat=False, axes=0):
+  class Stack(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=L)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(8, 8, rngs=rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
+      def body(x, block):
+        return nnx.relu(nnx.remat(lambda b, x: b(x))(block, x) if remat else block(x))
+
+      return self.head(body(x, self.blocks))
+
+  return Stack()
+
+
+class _Unrolled(nnx.Module):
+  """The stack's layers as separate Linear layers with the same weights."""
+
+  def __init__(self, stack):
+    kernel, bias = stack.blocks.kernel.get_value(), stack.blocks.bias.get_value()
+    self.layers = nnx.List([nnx.Linear(8, 8, rngs=nnx.Rngs(0)) for _ in range(L)])
+    for i, layer in enumerate(self.layers):
+      layer.kernel.set_value(kernel[i])
+      layer.bias.set_value(bias[i])
+    self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+    self.head.kernel.set_value(stack.head.kernel.get_value())
+    self.head.bias.set_value(stack.head.bias.get_value())
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = nnx.relu(layer(x))
+    return self.head(x)
+
+
+def _train(**kwargs):
+  return jaxamp.make_train_step(lambda m, b: jnp.mean((m(b) - 1.0) ** 2), optax.sgd(0.1),
+                                policy=jaxamp.Policy("float32", "bfloat16", "bfloat16",
+                                                     fp8=jaxamp.DelayedScaling(
+                                                         amax_history_len=4)), **kwargs)
+
+
+def _batches(n):
+  rs = np.random.RandomState(0)
+  return [jnp.asarray(rs.randn(4, 8) * (1 + i), jnp.float32) for i in range(n)]
+
+
+def test_stacked_recipe_state_and_per_layer_update():
+  """The stacked format broadcasts the state and updates each layer by the per-tensor
+  rule (a NumPy reference: the history rolled, the newest amaxes in front, the scale
+  ``FP8_MAX / max(history)``), and a skip keeps the old state."""
+  recipe = fp8_stacked.Stacked(jaxamp.DelayedScaling(amax_history_len=4), (3,))
+  fmt = scaled.format_of(recipe)
+  meta = fmt.init_state(recipe)
+  assert meta.amax_history.shape == (3, 3, 4) and meta.scale.shape == (3, 3)
+  assert scaled.describe(recipe) == "fp8 e4m3fn/e5m2 per-tensor delayed"
+  old = np.zeros((3, 3, 4), np.float32)
+  old[:, :, 0] = np.arange(9.0).reshape(3, 3) + 20.0  # a previous step's amaxes
+  newest = np.arange(1.0, 10.0, dtype=np.float32).reshape(3, 3)
+  newest[1, 2] = 100.0
+  cot = np.zeros_like(old)
+  cot[:, :, 0] = newest
+  state = meta._replace(amax_history=jnp.asarray(old))
+  new, kept = jax.jit(lambda s, c: (fmt.update(s, c, recipe), fmt.kept_on_skip(
+      s, fmt.update(s, c, recipe), recipe)))(state, state._replace(amax_history=cot))
+  want = np.roll(old, 1, axis=2)
+  want[:, :, 0] = newest
+  np.testing.assert_array_equal(new.amax_history, want)
+  maxes = np.array([448.0, 448.0, 57344.0], np.float32)
+  np.testing.assert_array_equal(new.scale, (maxes / want.max(axis=2)).astype(np.float32))
+  jax.tree.map(np.testing.assert_array_equal, kept, state)
+
+
+def test_one_step_records_each_layer_of_the_stack_without_a_warning(fresh_warnings):
+  """The stacked layer's state is stacked as its kernel; one step records every layer's
+  amaxes (the first layer's input amax is the batch's) and warns of no missing state."""
+  train = _train()
+  state = train.init(_stack())
+  assert set(state.fp8) == {"blocks", "head"}
+  assert state.fp8["blocks"].amax_history.shape == (L, 3, 4)
+  assert state.fp8["blocks"].scale.shape == (L, 3)
+  x = _batches(1)[0]
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, x)
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  history = np.asarray(state.fp8["blocks"].amax_history)
+  assert history[:, :, 0].all() and not history[:, :, 1:].any()
+  # The input's amax as the bfloat16 matmul reads it.
+  assert history[0, 0, 0] == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
+  assert history[1, 0, 0] != history[0, 0, 0]  # each layer its own
+
+
+@pytest.mark.slow
+def test_stacked_layers_keep_per_layer_state_equal_to_the_unrolled_model(fresh_warnings):
+  """Two steps: each slice of the stacked history and scales equals the unrolled model's
+  layer's, and the parameters the unrolled model's; no current-scaling warning."""
+  stack = _stack()
+  unrolled = _Unrolled(stack)
+  train, ref = _train(), _train()
+  state, ref_state = train.init(stack), ref.init(unrolled)
+  assert state.fp8["blocks"].amax_history.shape == (L, 3, 4)
+  assert state.fp8["blocks"].scale.shape == (L, 3)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for x in _batches(2):
+      state, _ = train.step(state, x)
+      ref_state, _ = ref.step(ref_state, x)
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  stacked = state.fp8["blocks"]
+  assert np.asarray(stacked.amax_history)[:, :, :2].all()  # both steps, every layer
+  for i in range(L):
+    layer = ref_state.fp8[f"layers/{i}"]
+    np.testing.assert_array_equal(stacked.amax_history[i], layer.amax_history)
+    np.testing.assert_array_equal(stacked.scale[i], layer.scale)
+    np.testing.assert_array_equal(state.params["blocks"]["kernel"][i],
+                                  ref_state.params["layers"][i]["kernel"])
+  np.testing.assert_array_equal(state.fp8["head"].amax_history,
+                                ref_state.fp8["head"].amax_history)
+
+
+@pytest.mark.slow
+def test_a_non_finite_batch_keeps_the_stacked_state_and_params():
+  train = _train()
+  state, _ = train.step(train.init(_stack()), _batches(1)[0])
+  bad = _batches(1)[0].at[0, 0].set(jnp.nan)
+  kept = jax.tree.map(np.asarray, (state.fp8, state.params))  # the step donates its state
+  after, metrics = train.step(state, bad)
+  assert not bool(metrics["grads_finite"])
+  jax.tree.map(np.testing.assert_array_equal, (after.fp8, after.params), kept)
+
+
+@pytest.mark.slow
+def test_stacked_state_round_trips_orbax(tmp_path):
+  import orbax.checkpoint as ocp
+
+  train = _train()
+  state, _ = train.step(train.init(_stack()), _batches(1)[0])
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "s", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "s", jaxamp.abstract_state(state))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.fp8),
+               jax.tree.map(np.asarray, state.fp8))
+
+
+@pytest.mark.slow
+def test_remat_in_the_body_and_the_cuda_program_runs_fp8_dots(fresh_warnings):
+  """``nnx.remat`` inside the scan body keeps the per-layer state; the lowered CUDA
+  program's dots take E4M3 operands (forward) and E5M2 (output gradient)."""
+  train = _train()
+  state = train.init(_stack(remat=True))
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, _batches(1)[0])
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  assert np.asarray(state.fp8["blocks"].amax_history)[:, :, 0].all()
+  text = train.lower(state, _batches(1)[0], platforms=("cuda",)).as_text()
+  dots = [line for line in text.splitlines() if "dot_general" in line]
+  assert sum("f8E4M3FN>" in line for line in dots) >= 2, dots  # the body's and the head's
+  assert any("f8E5M2" in line for line in dots), dots
+
+
+@pytest.mark.slow
+def test_a_scan_broadcasting_the_state_falls_back_to_current_scaling(fresh_warnings):
+  """``nnx.StateAxes`` slicing only the params broadcasts the stacked state: the layer
+  warns, runs current scaling, and its state stays as it was."""
+  train = _train()
+  state = train.init(_stack(axes=nnx.StateAxes({nnx.Param: 0, ...: None})))
+  before = jax.tree.map(np.asarray, state.fp8["blocks"])
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, _batches(1)[0])
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "FP8 Linear blocks has no delayed-scaling state" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
+  jax.tree.map(np.testing.assert_array_equal, state.fp8["blocks"], before)
+  assert np.asarray(state.fp8["head"].amax_history)[:, 0].all()
+
+
+@pytest.mark.slow
+def test_grad_accumulation_records_each_micro_batch_per_layer_and_eval_reads_the_state():
+  train = _train(grad_accum_steps=2)
+  x = _batches(1)[0]
+  state, _ = train.step(train.init(_stack()), x)
+  history = np.asarray(state.fp8["blocks"].amax_history)
+  halves = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)).reshape(2, 2, 8)
+  # The first layer's input: the second micro-batch's amax newest, the first's before it.
+  np.testing.assert_array_equal(history[0, 0, :2], [np.abs(halves[1]).max(),
+                                                    np.abs(halves[0]).max()])
+  assert history[:, :, :2].all() and not history[:, :, 2:].any()
+  assert np.isfinite(float(train.eval_step(state, x)))
+
+
+class _EinsumBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Einsum("bi,io->bo", (8, 8), rngs=rngs)
+    self.b = nnx.LinearGeneral(8, (2, 4), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.b(self.a(x)).reshape(x.shape))
+
+
+class _ConvBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(2, 2, (3,), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.conv(x))
+
+
+def _scanned(block, n=3):
+  class Stack(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=n)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return block(rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, b):
+        return b(x)
+
+      return body(x, self.blocks)
+
+  return Stack()
+
+
+@pytest.mark.slow
+def test_einsum_and_linear_general_in_a_scanned_block_keep_per_layer_state(fresh_warnings):
+  train = _train()
+  state = train.init(_scanned(_EinsumBlock))
+  assert set(state.fp8) == {"blocks/a", "blocks/b"}
+  assert all(m.amax_history.shape == (3, 3, 4) for m in state.fp8.values())
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, jnp.ones((4, 8)))
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  first = np.asarray(state.fp8["blocks/a"].amax_history)
+  assert first[0, 0, 0] == 1.0 and first[:, :, 0].all()  # the first layer reads the ones
+  assert np.asarray(state.fp8["blocks/b"].amax_history)[:, :, 0].all()
+
+
+@pytest.mark.slow
+def test_stacked_convolutions_keep_the_current_scaling_fallback(fresh_warnings):
+  train = _train()
+  state = train.init(_scanned(_ConvBlock, n=2))
+  assert state.fp8 is None
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, jnp.ones((2, 6, 2)))
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "FP8 Conv blocks/conv has no delayed-scaling state" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
+
+
+_MESH_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import warnings
+warnings.filterwarnings("ignore")
+import jax, numpy as np
+import jaxamp
+import test_fp8_stacked as t
+
+assert jax.device_count() == 2
+x = t._batches(1)[0]
+one = t._train()
+single, _ = one.step(one.init(t._stack()), x)
+mesh = jax.make_mesh((2,), ("data",))
+for name, param_sharding in [("replicated", None), ("fsdp", jaxamp.fsdp("data", min_size=1))]:
+  train = t._train(sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=param_sharding))
+  state, _ = train.step(train.init(t._stack()), x)
+  for path in ("blocks", "head"):
+    for got, want in zip(state.fp8[path], single.fp8[path]):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+  print(name, "ok")
+print("STACKED-MESH-OK")
+"""
+
+
+@pytest.mark.slow
+def test_stacked_state_with_a_mesh_equals_one_devices(tmp_path):
+  """Data parallel and FSDP on 2 CPU devices: each layer's amaxes are maxed over the
+  devices, so the stacked state equals the one-device step's bit for bit."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  from train_helpers import run_script  # pylint: disable=g-import-not-at-top
+
+  tests = os.path.dirname(os.path.abspath(__file__))
+  out = run_script(_MESH_SCRIPT.format(root=os.path.dirname(tests), tests=tests), tmp_path,
+                   "stacked_mesh.py",
+                   env={"JAX_PLATFORMS": "cpu",
+                        "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                                     "--xla_backend_optimization_level=0"})
+  assert "STACKED-MESH-OK" in out, out
+
+
+@pytest.mark.slow
+def test_a_state_without_the_stacked_entries_gets_fresh_ones_with_a_warning(fresh_warnings):
+  """A checkpoint saved before stacked layers kept state (``fp8`` without ``'blocks'``):
+  the step gives the stack a fresh state, keeps the head's, and says so."""
+  train = _train()
+  x = _batches(1)[0]
+  state, _ = train.step(train.init(_stack()), x)
+  head = jax.tree.map(np.asarray, state.fp8["head"])
+  old = state._replace(fp8={"head": state.fp8["head"]})
+  with pytest.warns(RuntimeWarning, match="fresh state for blocks"):
+    state, _ = train.step(old, x)
+  history = np.asarray(state.fp8["blocks"].amax_history)
+  assert history[:, :, 0].all() and not history[:, :, 1:].any()  # one step recorded
+  np.testing.assert_array_equal(state.fp8["head"].amax_history[:, 1], head.amax_history[:, 0])
