@@ -122,3 +122,27 @@ def image_batch(batch: int = 4, size: int = 8, channels: int = 3, classes: int =
   rng = np.random.default_rng(seed)
   images = rng.standard_normal((batch, size, size, channels), np.float32)
   return jnp.asarray(images), jnp.asarray(rng.integers(0, classes, (batch,), np.int32))
+
+
+def scan_stack(layers: int = 2, remat: bool = False, axes=0) -> nnx.Module:
+  """``layers`` NNX ``Linear(8, 8)`` blocks stacked by ``nnx.vmap`` and run by ``nnx.scan``
+  (``axes``: the scan's ``in_axes`` for the blocks; ``remat``: each block under
+  ``nnx.remat``), then a ``Linear(8, 2)`` head."""
+  class Stack(nnx.Module):
+    def __init__(self):
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(8, 8, rngs=rngs)
+
+      self.blocks = make(nnx.Rngs(0))
+      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
+      def body(x, block):
+        return nnx.relu(nnx.remat(lambda b, x: b(x))(block, x) if remat else block(x))
+
+      return self.head(body(x, self.blocks))
+
+  return Stack()

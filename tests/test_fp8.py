@@ -637,22 +637,7 @@ def _linen_remat_stack():
   return Stack()
 
 
-class _NNXScanStack(nnx.Module):
-  def __init__(self):
-    @nnx.split_rngs(splits=2)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return nnx.Linear(8, 8, rngs=rngs)
-
-    self.blocks = make(nnx.Rngs(0))
-    self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def body(x, block):
-      return nnx.relu(block(x))
-
-    return self.head(body(x, self.blocks))
+_NNXScanStack = nnx_models.scan_stack  # two stacked Linear blocks under nnx.scan, a head
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
+import nnx_models
 from jaxamp import fp8_stacked, scaled
 
 L = 2
@@ -29,24 +30,7 @@ def _quiet():
 
 
 def _stack(remat=False, axes=0):
-  class Stack(nnx.Module):
-    def __init__(self):
-      @nnx.split_rngs(splits=L)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return nnx.Linear(8, 8, rngs=rngs)
-
-      self.blocks = make(nnx.Rngs(0))
-      self.head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
-
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
-      def body(x, block):
-        return nnx.relu(nnx.remat(lambda b, x: b(x))(block, x) if remat else block(x))
-
-      return self.head(body(x, self.blocks))
-
-  return Stack()
+  return nnx_models.scan_stack(L, remat=remat, axes=axes)
 
 
 class _Unrolled(nnx.Module):
