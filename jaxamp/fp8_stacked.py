@@ -128,8 +128,7 @@ def rows(model: Any, plan: list[Any], classes: tuple[type, ...],
   for path, cls, policy in plan:
     found, keep = dims.get(path, ((), True))
     if found and keep and getattr(policy, "fp8", None) is not None:
-      policy = type(policy)(policy.param_dtype, policy.compute_dtype, policy.output_dtype,
-                            fp8=Stacked(policy.fp8, found))
+      policy = policy.with_fp8(Stacked(policy.fp8, found))
     if keep or not found:
       out.append((path, cls, policy))
   return out
