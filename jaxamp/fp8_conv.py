@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp import patch_conv
+
 __all__ = ["ConvParams", "conv", "conv_grads", "conv_params", "conv_transpose",
            "transpose_lhs", "transpose_rhs", "with_conv_transpose"]
 
@@ -74,15 +76,11 @@ def conv_params(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
   dn = lax.ConvDimensionNumbers(*(_ints(s) for s in dn))
   lhs_dilation = _ints(lhs_dilation or (1,) * spatial)
   rhs_dilation = _ints(rhs_dilation or (1,) * spatial)
-  if isinstance(padding, str):
-    if any(d != 1 for d in lhs_dilation):
-      raise ValueError(f"padding {padding!r} (a string) with lhs_dilation {lhs_dilation}: "
-                       "as lax.conv_general_dilated, give explicit (low, high) pairs")
-    window = _dilated(np.take(rhs_shape, dn.rhs_spec[2:]), rhs_dilation)
-    padding = lax.padtype_to_pads(np.take(lhs_shape, dn.lhs_spec[2:]), window,
-                                  window_strides, padding)
-  return ConvParams(_ints(window_strides), tuple(_ints(p) for p in padding), lhs_dilation,
-                    rhs_dilation, dn, int(feature_group_count), int(batch_group_count))
+  padding = patch_conv.explicit_padding(
+      padding, np.take(lhs_shape, dn.lhs_spec[2:]), np.take(rhs_shape, dn.rhs_spec[2:]),
+      window_strides, lhs_dilation, rhs_dilation)
+  return ConvParams(_ints(window_strides), padding, lhs_dilation, rhs_dilation, dn,
+                    int(feature_group_count), int(batch_group_count))
 
 
 def conv(lhs: jax.Array, rhs: jax.Array, p: ConvParams) -> jax.Array:
@@ -108,10 +106,6 @@ def _reshape_axis_out_of(src: int, size: int, x: jax.Array) -> jax.Array:
   return x.reshape(shape)
 
 
-def _dilated(shape: Sequence[int], dilation: Sequence[int]) -> np.ndarray:
-  return np.array([0 if s == 0 else 1 + d * (s - 1) for s, d in zip(shape, dilation)])
-
-
 def _spec_t(spec: Sequence[int]) -> tuple[int, ...]:
   return (spec[1], spec[0]) + tuple(spec[2:])
 
@@ -127,10 +121,10 @@ def transpose_lhs(g: jax.Array, rhs: jax.Array, lhs_shape: Sequence[int],
     groups = max(groups, p.batch_group_count)
     rhs = _reshape_axis_into(rhs_spec[0], rhs_spec[1],
                              _reshape_axis_out_of(rhs_spec[0], groups, rhs))
-  k = _dilated(np.take(rhs.shape, rhs_spec[2:]), p.rhs_dilation)
+  k = patch_conv.dilated(np.take(rhs.shape, rhs_spec[2:]), p.rhs_dilation)
   before = k - np.array([lo for lo, _ in p.padding]) - 1
-  after = (_dilated(np.take(lhs_shape, lhs_spec[2:]), p.lhs_dilation) + k - 1
-           - _dilated(np.take(g.shape, out_spec[2:]), p.strides) - before)
+  after = (patch_conv.dilated(np.take(lhs_shape, lhs_spec[2:]), p.lhs_dilation) + k - 1
+           - patch_conv.dilated(np.take(g.shape, out_spec[2:]), p.strides) - before)
   out = lax.conv_general_dilated(
       g, lax.rev(rhs, rhs_spec[2:]), p.lhs_dilation, list(zip(_ints(before), _ints(after))),
       p.strides, p.rhs_dilation,
@@ -151,9 +145,10 @@ def transpose_rhs(g: jax.Array, lhs: jax.Array, rhs_shape: Sequence[int],
   # Feature groups become batch groups and back.
   features, batches = p.batch_group_count, p.feature_group_count
   lo = [low for low, _ in p.padding]
-  k = _dilated(np.take(rhs_shape, dn.rhs_spec[2:]), p.rhs_dilation)
-  hi = (_dilated(np.take(g.shape, dn.out_spec[2:]), p.strides)
-        - _dilated(np.take(lhs.shape, dn.lhs_spec[2:]), p.lhs_dilation) + k - np.array(lo) - 1)
+  k = patch_conv.dilated(np.take(rhs_shape, dn.rhs_spec[2:]), p.rhs_dilation)
+  hi = (patch_conv.dilated(np.take(g.shape, dn.out_spec[2:]), p.strides)
+        - patch_conv.dilated(np.take(lhs.shape, dn.lhs_spec[2:]), p.lhs_dilation) + k
+        - np.array(lo) - 1)
   return lax.conv_general_dilated(
       lhs, g, p.rhs_dilation, list(zip(_ints(lo), _ints(hi))), p.lhs_dilation, p.strides,
       lax.ConvDimensionNumbers(lhs_t, out_t, rhs_t), features, batches,
@@ -212,7 +207,7 @@ def conv_transpose(conv_general_dilated: Callable[..., jax.Array], lhs: jax.Arra
   rhs_dilation = tuple(rhs_dilation or (1,) * (rhs.ndim - 2))
   if use_consistent_padding or padding in ("SAME", "VALID"):
     pads = padding if not isinstance(padding, str) else [padding] * len(strides)
-    window = _dilated(np.take(rhs.shape, dn.rhs_spec[2:]), rhs_dilation)
+    window = patch_conv.dilated(np.take(rhs.shape, dn.rhs_spec[2:]), rhs_dilation)
     padding = tuple(_transpose_padding(k, s, p) for k, s, p in zip(window, strides, pads))
   if transpose_kernel:  # spatial dimensions flipped, input and output features swapped
     rhs = jnp.flip(rhs, dn.rhs_spec[2:]).swapaxes(dn.rhs_spec[0], dn.rhs_spec[1])

@@ -41,25 +41,45 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-__all__ = ["conv_general_dilated", "patches"]
+__all__ = ["conv_general_dilated", "dilated", "explicit_padding", "patches"]
 
 
 def _ints(x: Sequence[Any] | None, n: int) -> tuple[int, ...]:
   return (1,) * n if x is None else tuple(int(i) for i in x)
 
 
-def _pads(padding: Any, in_shape: Sequence[int], window: Sequence[int],
-          strides: Sequence[int], lhs_dilation: Sequence[int]) -> list[tuple[int, int]]:
-  """``padding`` as ``(low, high)`` per spatial dimension, strings resolved as lax does."""
+def dilated(shape: Sequence[int], dilation: Sequence[int]) -> np.ndarray:
+  """Each size of ``shape`` once dilated (``d - 1`` holes between neighbours):
+  ``1 + d * (s - 1)``, 0 for an empty dimension, as lax computes a dilated window's (or
+  input's) extent."""
+  return np.array([0 if s == 0 else 1 + d * (s - 1) for s, d in zip(shape, dilation)],
+                  dtype=int)
+
+
+def explicit_padding(padding: Any, in_shape: Sequence[int], window_shape: Sequence[int],
+                     strides: Sequence[int], lhs_dilation: Sequence[int],
+                     rhs_dilation: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  """``padding`` as ``(low, high)`` per spatial dimension (``in_shape``: the input's spatial
+  sizes), a string (``'SAME'``, ``'VALID'``) resolved as lax resolves it for the
+  ``rhs_dilation``-dilated window; refused with a string and an ``lhs_dilation``, as
+  ``lax.conv_general_dilated`` refuses it.
+
+  Example:
+    >>> from jaxamp import patch_conv
+    >>> patch_conv.explicit_padding('SAME', (5,), (3,), (1,), (1,), (2,))
+    ((2, 2),)
+  """
   if isinstance(padding, str):
     if any(d != 1 for d in lhs_dilation):
       raise ValueError(f"padding {padding!r} (a string) with lhs_dilation "
                        f"{tuple(lhs_dilation)}: as lax.conv_general_dilated, give explicit "
                        "(low, high) pairs")
-    return [tuple(p) for p in lax.padtype_to_pads(in_shape, window, strides, padding)]
-  pads = [tuple(int(i) for i in p) for p in padding]
+    padding = lax.padtype_to_pads(in_shape, dilated(window_shape, rhs_dilation), strides,
+                                  padding)
+  pads = tuple(tuple(int(i) for i in p) for p in padding)
   if len(pads) != len(in_shape) or any(len(p) != 2 for p in pads):
     raise ValueError(f"padding {padding!r}: one (low, high) pair per spatial dimension "
                      f"({len(in_shape)}), or 'SAME' / 'VALID'")
@@ -94,8 +114,8 @@ def patches(lhs: jax.Array, window_shape: Sequence[int], window_strides: Sequenc
   window, strides = tuple(int(w) for w in window_shape), _ints(window_strides, n)
   lhs_dil, rhs_dil = _ints(lhs_dilation, n), _ints(rhs_dilation, n)
   x = jnp.transpose(lhs, (spec[0], *spec[2:], spec[1]))  # N, *spatial, C
-  dilated_window = [1 + d * (w - 1) if w else 0 for w, d in zip(window, rhs_dil)]
-  pads = _pads(padding, x.shape[1:-1], dilated_window, strides, lhs_dil)
+  dilated_window = dilated(window, rhs_dil)
+  pads = explicit_padding(padding, x.shape[1:-1], window, strides, lhs_dil, rhs_dil)
   zero = jnp.zeros((), x.dtype)
   x = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, lhs_dil)]
               + [(0, 0, 0)])
