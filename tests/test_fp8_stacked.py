@@ -18,6 +18,7 @@ from flax import nnx
 import jaxamp
 import nnx_models
 from jaxamp import fp8_stacked, scaled
+from train_helpers import orbax_round_trip
 
 L = 2
 
@@ -151,14 +152,9 @@ def test_a_non_finite_batch_keeps_the_stacked_state_and_params():
 
 @pytest.mark.slow
 def test_stacked_state_round_trips_orbax(tmp_path):
-  import orbax.checkpoint as ocp
-
   train = _train()
   state, _ = train.step(train.init(_stack()), _batches(1)[0])
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(tmp_path / "s", state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "s", jaxamp.abstract_state(state))
+  restored = orbax_round_trip(state, tmp_path / "s")
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.fp8),
                jax.tree.map(np.asarray, state.fp8))
 

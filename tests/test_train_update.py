@@ -12,7 +12,7 @@ from flax import nnx
 import jaxamp
 
 from train_helpers import (NNXNet, assert_trees_equal, init, leaves, loss_fn, make_batches,
-                           stepped, xent)
+                           orbax_round_trip, stepped, xent)
 
 
 @pytest.mark.slow
@@ -417,15 +417,10 @@ def test_rounding_modes_resume_from_a_host_copy_bit_identically(mode):
 
 @pytest.mark.slow
 def test_a_stochastic_rounding_state_resumes_from_orbax_bit_identically(tmp_path):
-  import orbax.checkpoint as ocp
-
   batches = make_batches(3)
   train, (straight, _) = _rounded_run("stochastic", batches)
   _, (half, _) = _rounded_run("stochastic", batches[:2])
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(tmp_path / "s", half)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "s", jaxamp.abstract_state(half))
+  restored = orbax_round_trip(half, tmp_path / "s")
   assert restored.opt_state.rounding.key.dtype == jnp.uint32
   resumed, _ = stepped(train, restored, batches[2:])
   assert_trees_equal(resumed, straight)

@@ -100,6 +100,17 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
+def orbax_round_trip(state, folder):
+  """``state`` saved with orbax's ``StandardCheckpointer`` in ``folder`` and restored
+  against ``jaxamp.abstract_state(state)``, as a user resumes."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(folder, state)
+    ckpt.wait_until_finished()
+    return ckpt.restore(folder, jaxamp.abstract_state(state))
+
+
 def counting_loss(model, batch):
   """The loss, with a count, a flag and a mean of the batch as aux."""
   logits = model(batch["x"])
