@@ -5,8 +5,6 @@ with delayed-scaling state, the exact skip, and a format without a convolution."
 
 import warnings
 
-import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+import conv_models
 import jaxamp
 from jaxamp import fp8_conv
 
@@ -238,45 +237,6 @@ def test_string_padding_with_lhs_dilation_is_refused_as_lax_refuses_it():
                          ("NWC", "WIO", "NWC"), 1, 1)
 
 
-class _NNXCNN(nnx.Module):
-
-  def __init__(self, rngs):
-    self.c1 = nnx.Conv(3, 8, (3, 3), strides=(2, 2), rngs=rngs)
-    self.c2 = nnx.Conv(8, 8, (3, 3), feature_group_count=4, kernel_dilation=(2, 2), rngs=rngs)
-    self.out = nnx.Linear(8, 4, rngs=rngs)
-
-  def __call__(self, x):
-    x = nnx.relu(self.c2(nnx.relu(self.c1(x))))
-    return self.out(x.mean((1, 2)))
-
-
-class _LinenCNN(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
-    x = nn.relu(nn.Conv(8, (3,), feature_group_count=2, padding="CAUSAL")(
-        x.reshape(x.shape[0], -1, 8)))
-    return nn.Dense(4)(x.mean(1))
-
-
-class _EqxCNN(eqx.Module):
-  c1: eqx.nn.Conv2d
-  c2: eqx.nn.Conv1d
-  out: eqx.nn.Linear
-
-  def __init__(self, key):
-    k1, k2, k3 = jax.random.split(key, 3)
-    self.c1 = eqx.nn.Conv2d(3, 8, 3, stride=2, padding=1, key=k1)
-    self.c2 = eqx.nn.Conv1d(8, 8, 3, groups=4, dilation=2, key=k2)
-    self.out = eqx.nn.Linear(8, 4, key=k3)
-
-  def __call__(self, x):  # one example, channels first
-    x = jax.nn.relu(self.c1(x))
-    x = jax.nn.relu(self.c2(x.reshape(8, -1)))
-    return self.out(x.mean(1))
-
-
 def _xent(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -312,9 +272,10 @@ def _setup(library):
   if library == "nnx":
     train = jaxamp.make_train_step(lambda m, b: _xent(m(b[0]), b[1]), optax.adam(1e-2),
                                    policy="mixed_fp8")
-    return train, train.init(_NNXCNN(nnx.Rngs(0))), (x, y), "c1", ("c1", "c2", "out")
+    model = conv_models.NNXCNN(nnx.Rngs(0))
+    return train, train.init(model), (x, y), "c1", ("c1", "c2", "out")
   if library == "linen":
-    model = _LinenCNN()
+    model = conv_models.LinenCNN()
     train = jaxamp.make_train_step(lambda m, b: _xent(m(b[0]), b[1]), optax.adam(1e-2),
                                    policy="mixed_fp8")
     state = train.init(model, model.init(jax.random.key(0), x), x)
@@ -322,7 +283,8 @@ def _setup(library):
   x = jnp.transpose(x, (0, 3, 1, 2))
   train = jaxamp.make_train_step(lambda m, b: _xent(jax.vmap(m)(b[0]), b[1]),
                                  optax.adam(1e-2), policy="mixed_fp8")
-  return train, train.init(_EqxCNN(jax.random.key(0))), (x, y), "c1", ("c1", "c2", "out")
+  model = conv_models.EqxCNN(jax.random.key(0))
+  return train, train.init(model), (x, y), "c1", ("c1", "c2", "out")
 
 
 @pytest.mark.slow
@@ -365,7 +327,7 @@ def test_a_format_declining_convolutions_leaves_conv_layers_in_the_compute_dtype
                                  policy=declining_policy)
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
-    state = train.init(_NNXCNN(nnx.Rngs(0)))
+    state = train.init(conv_models.NNXCNN(nnx.Rngs(0)))
   msgs = [str(w.message) for w in seen if "convolution layers" in str(w.message)]
   assert len(msgs) == 1 and "'c1', 'c2'" in msgs[0] and "compute dtype" in msgs[0], msgs
   assert "no-conv rowwise" in msgs[0] and "declines convolutions" in msgs[0], msgs

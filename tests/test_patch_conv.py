@@ -5,7 +5,6 @@ the rowwise, block and MXFP8 policies."""
 
 import warnings
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
+import conv_models
 import jaxamp
 from jaxamp import patch_conv, scaled
 
@@ -209,49 +209,6 @@ def test_precision_report_and_summary_show_the_conv_under_the_format():
 # --- conv layers training -------------------------------------------------------------------
 
 
-class _NNXCNN(nnx.Module):
-
-  def __init__(self, rngs):
-    self.c1 = nnx.Conv(3, 8, (3, 3), strides=(2, 2), rngs=rngs)
-    self.c2 = nnx.Conv(8, 8, (3, 3), feature_group_count=4, kernel_dilation=(2, 2), rngs=rngs)
-    self.up = nnx.ConvTranspose(8, 8, (3, 3), strides=(2, 2), rngs=rngs)
-    self.out = nnx.Linear(8, 4, rngs=rngs)
-
-  def __call__(self, x):
-    x = nnx.relu(self.up(nnx.relu(self.c2(nnx.relu(self.c1(x))))))
-    return self.out(x.mean((1, 2)))
-
-
-class _LinenCNN(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
-    x = nn.relu(nn.ConvTranspose(8, (3, 3), strides=(2, 2), padding="CIRCULAR")(x))
-    x = nn.relu(nn.Conv(8, (3,), feature_group_count=2, padding="CAUSAL")(
-        x.reshape(x.shape[0], -1, 8)))
-    return nn.Dense(4)(x.mean(1))
-
-
-class _EqxCNN(eqx.Module):
-  c1: eqx.nn.Conv2d
-  up: eqx.nn.ConvTranspose2d
-  c2: eqx.nn.Conv1d
-  out: eqx.nn.Linear
-
-  def __init__(self, key):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    self.c1 = eqx.nn.Conv2d(3, 8, 3, stride=2, padding=1, key=k1)
-    self.up = eqx.nn.ConvTranspose2d(8, 8, 3, stride=2, padding="SAME", key=k2)
-    self.c2 = eqx.nn.Conv1d(8, 8, 3, groups=4, dilation=2, key=k3)
-    self.out = eqx.nn.Linear(8, 4, key=k4)
-
-  def __call__(self, x):  # one example, channels first
-    x = jax.nn.relu(self.up(jax.nn.relu(self.c1(x))))
-    x = jax.nn.relu(self.c2(x.reshape(8, -1)))
-    return self.out(x.mean(1))
-
-
 def _xent(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -266,12 +223,14 @@ def _setup(library, policy):
     loss = lambda m, b: _xent(jax.vmap(m)(b[0]), b[1])
   train = jaxamp.make_train_step(loss, optax.adam(1e-2), policy=policy)
   if library == "nnx":
-    return train, train.init(_NNXCNN(nnx.Rngs(0))), (x, y), {"c1", "c2", "up", "out"}
+    model = conv_models.NNXCNN(nnx.Rngs(0), transpose=True)
+    return train, train.init(model), (x, y), {"c1", "c2", "up", "out"}
   if library == "linen":
-    model = _LinenCNN()
+    model = conv_models.LinenCNN(transpose=True)
     state = train.init(model, model.init(jax.random.key(0), x), x)
     return train, state, (x, y), {"Conv_0", "ConvTranspose_0", "Conv_1", "Dense_0"}
-  return train, train.init(_EqxCNN(jax.random.key(0))), (x, y), {"c1", "up", "c2", "out"}
+  model = conv_models.EqxCNN(jax.random.key(0), transpose=True)
+  return train, train.init(model), (x, y), {"c1", "up", "c2", "out"}
 
 
 def _fp8_gemms(text):
