@@ -728,7 +728,7 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   if isinstance(module, nnx.Conv):
     if attrs.get("conv_general_dilated") is not lax.conv_general_dilated:
       return {}  # the user's own convolution: theirs to keep
-    return {"conv_general_dilated": scaled.conv_for(path, policy.fp8, what)}
+    return {"conv_general_dilated": scaled.conv_for(path, policy.fp8, what, own)}
   if isinstance(module, nnx.Einsum):
     if attrs.get("einsum_op") is not jnp.einsum:
       return {}  # the user's own op: theirs to keep

@@ -112,16 +112,17 @@ def extra_dims(module: Any) -> tuple[int, ...]:
 
 
 def keeps_state(module: Any) -> bool:
-  """Whether a stacked layer gets a stacked state: one running a matmul (a ``Linear``,
-  ``LinearGeneral`` or ``Einsum``); stacked convolutions run with current scaling."""
-  return not isinstance(module, (nnx.Conv, nnx.ConvTranspose))
+  """Whether a stacked layer gets a stacked state: one whose format's operation jaxamp
+  gives it (a ``Linear``, ``LinearGeneral``, ``Einsum`` or ``Conv``); a stacked
+  ``ConvTranspose`` (run by :mod:`jaxamp.fp8_conv_transpose`) runs with current scaling."""
+  return not isinstance(module, nnx.ConvTranspose)
 
 
 def rows(model: Any, plan: list[Any], classes: tuple[type, ...],
          path_name: Callable[[Any], str]) -> list[Any]:
   """The ``(path, class, policy)`` rows of an NNX ``model``'s scaled-format modules with
   each stacked layer's policy given a :class:`Stacked` recipe (its state is then stacked)
-  and stacked convolutions left out (they run without state)."""
+  and stacked transposed convolutions left out (they run without state)."""
   dims = {path_name(path): (extra_dims(node), keeps_state(node))
           for path, node in nnx.iter_graph(model) if isinstance(node, classes)}
   out = []

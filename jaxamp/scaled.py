@@ -557,10 +557,11 @@ def runs_conv(recipe: Any) -> bool:
   return fmt is not None and bool(fmt.runs_convolutions)
 
 
-def conv_for(path: str | None, recipe: Any, what: str) -> Callable[..., Any]:
+def conv_for(path: str | None, recipe: Any, what: str, own: Any = None) -> Callable[..., Any]:
   """The ``conv_general_dilated`` of the convolution layer at ``path`` in the running
-  scope: its format's, with its state, checked as :func:`dot_for`'s dot."""
-  fmt, state, check = _checked(path, recipe, what)
+  scope: its format's, with its state (``own`` where given, as :func:`dot_for`'s),
+  checked as :func:`dot_for`'s dot."""
+  fmt, state, check = _checked(path, recipe, what, own)
 
   def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
            dimension_numbers=None, feature_group_count=1, batch_group_count=1,

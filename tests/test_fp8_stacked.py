@@ -259,16 +259,68 @@ def test_einsum_and_linear_general_in_a_scanned_block_keep_per_layer_state(fresh
   assert np.asarray(state.fp8["blocks/b"].amax_history)[:, :, 0].all()
 
 
+class _ConvTBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.ConvTranspose(2, 2, (3,), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.conv(x))
+
+
+class _UnrolledConvs(nnx.Module):
+  """A conv stack's layers as separate blocks with the same weights."""
+
+  def __init__(self, stack, n):
+    self.layers = nnx.List([_ConvBlock(nnx.Rngs(0)) for _ in range(n)])
+    for i, layer in enumerate(self.layers):
+      layer.conv.kernel.set_value(stack.blocks.conv.kernel.get_value()[i])
+      layer.conv.bias.set_value(stack.blocks.conv.bias.get_value()[i])
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return x
+
+
 @pytest.mark.slow
-def test_stacked_convolutions_keep_the_current_scaling_fallback(fresh_warnings):
+def test_stacked_convolutions_keep_per_layer_state_equal_to_the_unrolled_model(
+    fresh_warnings):
+  """Two steps of a stack of ``nnx.Conv`` blocks: each slice of the stacked history and
+  scales equals the unrolled model's layer's, the kernels the unrolled kernels, no
+  warning."""
+  stack = _scanned(_ConvBlock, n=2)
+  unrolled = _UnrolledConvs(stack, 2)
+  train, ref = _train(), _train()
+  state, ref_state = train.init(stack), ref.init(unrolled)
+  assert state.fp8["blocks/conv"].amax_history.shape == (2, 3, 4)
+  rs = np.random.RandomState(0)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for i in range(2):
+      x = jnp.asarray(rs.randn(2, 6, 2) * (1 + i), jnp.float32)
+      state, _ = train.step(state, x)
+      ref_state, _ = ref.step(ref_state, x)
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  stacked = state.fp8["blocks/conv"]
+  assert np.asarray(stacked.amax_history)[:, :, :2].all()  # both steps, every layer
+  for i in range(2):
+    layer = ref_state.fp8[f"layers/{i}/conv"]
+    np.testing.assert_array_equal(stacked.amax_history[i], layer.amax_history)
+    np.testing.assert_array_equal(stacked.scale[i], layer.scale)
+    np.testing.assert_array_equal(state.params["blocks"]["conv"]["kernel"][i],
+                                  ref_state.params["layers"][i]["conv"]["kernel"])
+
+
+@pytest.mark.slow
+def test_stacked_transposed_convolutions_keep_the_current_scaling_fallback(fresh_warnings):
   train = _train()
-  state = train.init(_scanned(_ConvBlock, n=2))
+  state = train.init(_scanned(_ConvTBlock, n=2))
   assert state.fp8 is None
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     state, metrics = train.step(state, jnp.ones((2, 6, 2)))
   msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
-  assert len(msgs) == 1 and "FP8 Conv blocks/conv has no delayed-scaling state" in msgs[0], msgs
+  assert len(msgs) == 1 and "ConvTranspose blocks/conv has no delayed-scaling state" in msgs[0], msgs
   assert np.isfinite(float(metrics["loss"]))
 
 
