@@ -392,9 +392,11 @@ class PerTensorFp8(scaled.ScaledFormat):
     if not isinstance(recipe, DelayedScaling):
       return None  # current scaling keeps no scale: it runs the same without state
     return (f"jaxamp: the FP8 {what} has no delayed-scaling state in this train step (a "
-            "layer inside a scan/vmap/remat transform, or one created during the call): it "
-            "runs with current scaling (each tensor scaled by its own amax). Keep it out of "
-            "FP8 with a jaxamp.set_policy rule to silence this.")
+            "layer inside a scan/vmap transform that does not slice its state, or one "
+            "created during the call): it runs with current scaling (each tensor scaled by "
+            "its own amax). In Linen's nn.scan, add 'jaxamp_fp8': 0 to variable_axes; in "
+            "nnx.scan, slice all of the layer's state. Or keep it out of FP8 with a "
+            "jaxamp.set_policy rule to silence this.")
 
 
 PER_TENSOR = PerTensorFp8()
@@ -755,12 +757,14 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
   """The fields a Linen module gets under ``policy``: ``dot_general`` for FP8 dense
   layers, ``conv_general_dilated`` for ``nn.Conv`` (where the format runs convolutions).
 
-  ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``), once
-  per slice of its stacked parameters: it gets no state (current scaling).
+  ``lifted``: the module runs inside a lifted transform (``nn.scan``, ``nn.vmap``,
+  ``nn.remat``): it reads its state (one slice of it, inside ``nn.scan``) from the
+  variables the transform lifts (:func:`jaxamp.fp8_stacked.linen_state_of`), or runs
+  without state where the transform does not lift them.
   """
   if getattr(policy, "fp8", None) is None or not isinstance(module, linen_classes()):
     return {}
-  name = "/".join(path)
+  name, own = fp8_stacked.linen_reads(module, "/".join(path), policy.fp8, lifted)
   if isinstance(module, _conv_transposes()):
     return {}  # jaxamp.fp8_conv_transpose runs it
   if isinstance(module, _flax_convs()):
@@ -768,10 +772,10 @@ def linen_fields(module: Any, path: tuple[str, ...], policy: Any,
         module.conv_general_dilated is not None
         and not getattr(module.conv_general_dilated, "jaxamp_fp8", False)):
       return {}  # no convolution in the format, or the user's own
-    return {"conv_general_dilated": scaled.conv_for(None if lifted else name, policy.fp8,
-                                                    f"{type(module).__name__} {name}")}
+    return {"conv_general_dilated": scaled.conv_for(
+        name, policy.fp8, f"{type(module).__name__} {'/'.join(path)}", own)}
   if module.dot_general_cls is not None or (
       module.dot_general is not None and not getattr(module.dot_general, "jaxamp_fp8", False)):
     return {}  # the user's own dot (a lifted clone inherits ours: it gets its own)
-  return {"dot_general": scaled.dot_for(None if lifted else name, policy.fp8,
-                                  f"{type(module).__name__} {name}")}
+  return {"dot_general": scaled.dot_for(name, policy.fp8,
+                                       f"{type(module).__name__} {'/'.join(path)}", own)}

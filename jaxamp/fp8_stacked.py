@@ -17,6 +17,16 @@ format's state (FP8's :class:`jaxamp.fp8.Fp8Meta`) is kept stacked the same way:
   ``nnx.Param``) leaves the layer without state: it warns and runs current scaling, as
   before.
 
+Linen's lifted transforms (``nn.scan``, ``nn.vmap``, ``nn.remat``) run a clone of their
+body that sees only the variable collections the transform lifts. A layer inside one
+reads its state from the collection :data:`COLLECTION` (``'jaxamp_fp8'``), which the
+step passes to ``apply`` (:func:`linen_variables`) and which ``nn.scan`` slices with the
+kernel where its ``variable_axes`` lists it (``{'params': 0, 'jaxamp_fp8': 0}``, as
+Flax's own FP8 layers need ``'_overwrite_with_gradient': 0``; ``nn.remat`` lifts every
+collection). The state's leading dimensions are those the kernel has beyond what the
+layer's call reads (:func:`linen_rows`). A transform that does not lift the collection
+leaves the layer without state: it warns and runs current scaling.
+
 Example:
   >>> import jax.numpy as jnp, jaxamp
   >>> from jaxamp import fp8_stacked, scaled
@@ -29,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -37,9 +47,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp import scaled
+from jaxamp._flax_compat import unbox
 
-__all__ = ["Stacked", "StackedFormat", "StackedState", "attach", "extra_dims", "keeps_state",
-           "rows", "state_of"]
+__all__ = ["COLLECTION", "Stacked", "StackedFormat", "StackedState", "attach", "extra_dims",
+           "keeps_state", "linen_reads", "linen_rows", "linen_state_of", "linen_variables",
+           "rows",
+           "state_of"]
 
 # The attribute of a stacked layer holding its StackedState in the step's model copy.
 ATTR = "_jaxamp_fp8_stacked"
@@ -164,7 +177,82 @@ def state_of(module: Any, recipe: Any) -> Any:
   held = vars(module).get(ATTR)
   if held is None:
     return FROM_SCOPE
-  value = held.get_value()
+  return _one_layers(held.get_value(), recipe)
+
+
+def _one_layers(value: Any, recipe: Any) -> Any:
+  """``value`` where it is shaped as one layer's state of ``recipe`` (the transform sliced
+  it), else None."""
   one = jax.eval_shape(lambda: scaled.format_of(recipe).init_state(recipe))
   same = jax.tree.map(lambda a, b: jnp.shape(a) == b.shape, value, one)
   return value if all(jax.tree.leaves(same)) else None
+
+
+# --- Linen: lifted transforms ----------------------------------------------------------------
+
+COLLECTION = "jaxamp_fp8"
+"""The Linen variable collection holding the state of FP8 layers inside lifted transforms
+(each layer's under the variable ``'state'``)."""
+
+
+def linen_rows(rows: list[Any], lifted: frozenset[str],
+               kernels: Mapping[str, tuple[int, ...]], params: Any) -> list[Any]:
+  """The ``(path, class, policy)`` rows of a Linen model that keep scaled-format state:
+  the layers outside lifted transforms, and those inside whose kernel the transform
+  slices in a known way (its stored shape ends with the shape the call read,
+  ``kernels``): their policy then gets a :class:`Stacked` recipe over the stored
+  kernel's extra leading dimensions (none under ``nn.remat``). ``params``: the
+  model's ``'params'`` collection."""
+  out = []
+  for path, cls, policy in rows:
+    if path not in lifted:
+      out.append((path, cls, policy))
+      continue
+    node = params
+    for key in (path.split("/") if path else []) + ["kernel"]:
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if node is None or path not in kernels or getattr(policy, "fp8", None) is None:
+      continue  # not a layer with a kernel of its own: no state
+    stored, read = tuple(jnp.shape(unbox(node))), tuple(kernels[path])
+    extra = len(stored) - len(read)
+    if extra < 0 or stored[extra:] != read:
+      continue
+    out.append((path, cls, policy.with_fp8(Stacked(policy.fp8, stored[:extra]))
+                if extra else policy))
+  return out
+
+
+def linen_variables(state: Mapping[str, Any], paths: Iterable[str]) -> dict[str, Any]:
+  """The :data:`COLLECTION` for ``apply``: the state of each layer at ``paths`` (those
+  inside lifted transforms) in ``state``, nested as the layers are."""
+  out: dict[str, Any] = {}
+  for path in paths:
+    if path in state:
+      node = out
+      for key in path.split("/") if path else []:
+        node = node.setdefault(key, {})
+      node["state"] = state[path]
+  return out
+
+
+def linen_reads(module: Any, path: str, recipe: Any, lifted: bool) -> tuple[str | None, Any]:
+  """``(state key, state)`` for a Linen layer's operation (``scaled.dot_for``'s
+  ``path`` and ``own``): outside lifted transforms ``(path, None)``, its state the
+  running scope's; inside one, ``(path, its slice)`` where the transform lifts
+  :data:`COLLECTION`, else ``(None, None)``: no state."""
+  if not lifted:
+    return path, None
+  own = linen_state_of(module, recipe)
+  if own is None:
+    return None, None
+  scaled.read_in_trace(path, own)
+  return path, own
+
+
+def linen_state_of(module: Any, recipe: Any) -> Any:
+  """What a Linen layer inside a lifted transform reads: its state in
+  :data:`COLLECTION` (one layer's slice inside ``nn.scan``), or None where the transform
+  does not lift the collection (or slices it otherwise)."""
+  if not module.has_variable(COLLECTION, "state"):
+    return None
+  return _one_layers(module.get_variable(COLLECTION, "state"), recipe)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp import fp8 as fp8_lib
-from jaxamp import scaled
+from jaxamp import fp8_stacked, scaled
 
 __all__ = ["fp8_call"]
 
@@ -61,11 +61,13 @@ def fp8_call(module: Any, path: tuple[str, ...], policy: Any,
              next_fun: Callable[..., Any] | None, lifted: bool) -> Callable[..., Any] | None:
   """The call a Linen ``module``'s ``__call__`` runs under ``policy``: for a layer of
   :data:`jaxamp.fp8.NAMED_LAYERS` whose format runs it, its product through the format's
-  dot (no state where ``lifted``: inside ``nn.scan``/``nn.vmap``); else ``next_fun``."""
+  dot (where ``lifted``, inside ``nn.scan`` & co., with the state the transform lifts:
+  :func:`jaxamp.fp8_stacked.linen_reads`); else ``next_fun``."""
   if not fp8_lib.runs_fp8(type(module), policy) or not fp8_lib.named_layer(type(module)):
     return next_fun
   name = next(c.__name__ for c in type(module).__mro__
               if (c.__module__, c.__name__) in fp8_lib.NAMED_LAYERS)
   where = "/".join(path)
-  dot = scaled.dot_for(None if lifted else where, policy.fp8, f"{name} {where}")
+  key, own = fp8_stacked.linen_reads(module, where, policy.fp8, lifted)
+  dot = scaled.dot_for(key, policy.fp8, f"{name} {where}", own)
   return lambda inputs: _CALLS[name](module, dot, inputs)

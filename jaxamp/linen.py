@@ -62,7 +62,7 @@ from jaxamp import gather as gather_lib
 from jaxamp import module_call
 from jaxamp import residuals as residuals_lib
 from jaxamp._flax_compat import (linen_is_bound, linen_is_lifted_body, linen_unbound_method,
-                                 set_attr_unchecked, union_filters)
+                                 set_attr_unchecked, unbox, union_filters)
 from jaxamp.casting import (at_least_float32, cast_floating, is_floating_array,
                             is_floating_dtype, read_as)
 from jaxamp.census import module_matmuls
@@ -86,11 +86,14 @@ class _Plan(NamedTuple):
     lifted: paths whose module runs as the body of a lifted transform.
     matmuls: paths of the modules that run a matmul or convolution of their own (None
       where the pass was not traced): no norm rule applies to them.
+    kernels: the shape of each module's ``kernel`` as its call reads it (inside
+      ``nn.scan``, one layer's slice of the stacked kernel).
   """
 
   modules: tuple[tuple[Path, type], ...]
   lifted: frozenset[Path]
   matmuls: frozenset[Path] | None = None
+  kernels: Mapping[Path, tuple[int, ...]] | None = None
 
 
 # --- which modules run, and under which policy -------------------------------------------
@@ -166,6 +169,7 @@ def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[Any], _Pl
   found: dict[Path, type] = {(): type(root)}
   lifted: set[Path] = set()
   scopes: dict[Path, int] = {}
+  kernels: dict[Path, tuple[int, ...]] = {}
   places = _Places()
 
   def intercept(next_fun, args, kwargs, context):
@@ -178,7 +182,10 @@ def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[Any], _Pl
       lifted.add(path)
     with places.running(path, nested), module_call.census_scope(
         scopes.setdefault(path, len(scopes))):
-      return next_fun(*args, **kwargs)
+      out = next_fun(*args, **kwargs)
+    if module.has_variable("params", "kernel"):  # (created by the call under init)
+      kernels.setdefault(path, np.shape(unbox(module.get_variable("params", "kernel"))))
+    return out
 
   def plan(jaxpr: Any) -> _Plan:
     matmuls = None
@@ -186,7 +193,7 @@ def _recording(root: nn.Module) -> tuple[Callable[..., Any], Callable[[Any], _Pl
       names = sorted(scopes, key=scopes.get)
       matmuls = frozenset(names[op.module] for op in module_matmuls(jaxpr)
                           if op.module is not None)
-    return _Plan(tuple(found.items()), frozenset(lifted), matmuls)
+    return _Plan(tuple(found.items()), frozenset(lifted), matmuls, kernels)
 
   return intercept, plan
 
@@ -766,9 +773,11 @@ def module_policies(module: nn.Module, variables: Any, *args: Any,
 
 def module_plan(module: nn.Module, variables: Any, *args: Any,
                 policy: PolicyLike | None = None,
-                **kwargs: Any) -> tuple[list[tuple[str, type, Policy]], frozenset[str]]:
-  """:func:`module_policies`' rows, and the paths of the modules that run inside a lifted
-  transform (``nn.scan``, ``nn.vmap``, ``nn.remat``: the body and what it calls)."""
+                **kwargs: Any) -> tuple[list[tuple[str, type, Policy]], frozenset[str],
+                                        dict[str, tuple[int, ...]]]:
+  """:func:`module_policies`' rows, the paths of the modules that run inside a lifted
+  transform (``nn.scan``, ``nn.vmap``, ``nn.remat``: the body and what it calls), and the
+  shape of the ``kernel`` each of those reads (one layer's, inside ``nn.scan``)."""
   model_policy = global_policy() if policy is None else get_policy(policy)
   if variables is None:
     rngs = kwargs.pop("rngs", None)
@@ -779,4 +788,7 @@ def module_plan(module: nn.Module, variables: Any, *args: Any,
   policies = _resolve(plan, model_policy)
   inside = frozenset(path_name(path) for path, _ in plan.modules
                      if _inside_lifted(path, plan.lifted))
-  return [(path_name(path), cls, policies[path]) for path, cls in plan.modules], inside
+  kernels = {path_name(path): shape for path, shape in (plan.kernels or {}).items()
+             if path_name(path) in inside}
+  return ([(path_name(path), cls, policies[path]) for path, cls in plan.modules], inside,
+          kernels)

@@ -77,6 +77,7 @@ __all__ = [
     "merge_state",
     "policy_name",
     "policy_recipe",
+    "read_in_trace",
     "recipe_named",
     "refuse_extra_arguments",
     "register",
@@ -208,9 +209,10 @@ class ScaledFormat(abc.ABC):
     ``nnx.scan``, say), or None where the recipe needs none."""
     del recipe
     return (f"jaxamp: the {self.name} {what} has no state in this train step (a layer "
-            "inside a scan/vmap/remat transform, or one created during the call): it runs "
-            "with no state. Keep it out of the format with a jaxamp.set_policy rule to "
-            "silence this.")
+            "inside a scan/vmap transform that does not slice its state, or one created "
+            "during the call): it runs with no state. In Linen's nn.scan, add "
+            "'jaxamp_fp8': 0 to variable_axes. Or keep it out of the format with a "
+            "jaxamp.set_policy rule to silence this.")
 
 
 # --- the registry: recipe type -> format -------------------------------------------------
@@ -351,6 +353,7 @@ class _Scope:
     self.record = record
     self.names: dict[int, str] = {}  # id(NNX module) -> path
     self.used: set[str] = set()
+    self.readers: dict[str, Any] = {}  # path -> the state a lifted layer's trace read
 
 
 _scopes = Stack()
@@ -391,6 +394,20 @@ def name_modules(named: Mapping[int, str]) -> None:
   scope = current()
   if scope is not None:
     scope.names.update(named)
+
+
+def read_in_trace(path: str, state: Any) -> None:
+  """Notes that the layer at ``path`` inside a lifted transform reads ``state`` (its
+  slice, a value of the trace running it). A transform that traces its body more than
+  once and keeps the last trace (Flax's ``nn.scan`` first traces it to check its
+  broadcast variables, and drops that trace) reads another ``state`` each time: that
+  trace replaces the earlier (:func:`retraced`); a second run within one trace is
+  still refused."""
+  scope = current()
+  if scope is not None and scope.readers.get(path, state) is not state:
+    retraced(path)
+  if scope is not None:
+    scope.readers[path] = state
 
 
 def retraced(path: str | None) -> None:

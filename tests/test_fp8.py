@@ -558,7 +558,8 @@ def test_layers_inside_scan_fall_back_to_current_scaling_with_a_warning(fresh_wa
                                  policy="mixed_fp8")
   stack = _linen_scan_stack()
   state = train.init(stack, stack.init(jax.random.key(0), x), x)
-  assert set(state.fp8) == {"head"}  # no state for the scanned layer
+  # the scanned layer's state is made, but this scan does not lift 'jaxamp_fp8'
+  assert set(state.fp8) == {"head", "blocks/inner"}
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     state, metrics = train.step(state, x)
@@ -624,42 +625,30 @@ def _linen_scan_stack():
   return Stack()
 
 
-def _linen_remat_stack():
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(2, name="head")(nn.relu(nn.remat(nn.Dense)(8, name="inner")(x)))
-
-  return Stack()
-
-
 _NNXScanStack = nnx_models.scan_stack  # two stacked Linear blocks under nnx.scan, a head
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make,layer", [(_linen_scan_stack, "Dense blocks/inner"),
-                                        (_linen_remat_stack, "Dense inner")])
-def test_fallback_to_current_scaling_warns_with_the_head_out_of_fp8(make, layer,
-                                                                    fresh_warnings):
-  """Every FP8 layer in a transform and the head ruled out: no FP8 state at all, and
-  still the promised warning, naming the layer. (NNX layers stacked for nnx.scan keep a
-  stacked state; their fallback, a scan broadcasting it: tests/test_fp8_stacked.py.)"""
+def test_fallback_to_current_scaling_warns_with_the_head_out_of_fp8(fresh_warnings):
+  """The one FP8 layer in an ``nn.scan`` that does not slice the ``'jaxamp_fp8'``
+  collection and the head ruled out: no FP8 state is used, and still the promised
+  warning, naming the layer. (Scans that slice it, nn.remat, and NNX stacks:
+  tests/test_fp8_stacked.py.)"""
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
-  model = make()
+  model, layer = _linen_scan_stack(), "Dense blocks/inner"
   with jaxamp.policy_rules({"head": "mixed_bfloat16"}):
     train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
                                    policy="mixed_fp8")
-    if isinstance(model, nn.Module):
-      state = train.init(model, model.init(jax.random.key(0), x), x)
-    else:
-      state = train.init(model)
-    assert state.fp8 is None
+    state = train.init(model, model.init(jax.random.key(0), x), x)
+    assert set(state.fp8) == {"blocks/inner"}  # made, not read: the scan does not lift it
+    unused = jax.tree.map(np.asarray, state.fp8)
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
       state, metrics = train.step(state, x)
   msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
   assert len(msgs) == 1 and f"FP8 {layer} has no delayed-scaling state" in msgs[0], msgs
   assert np.isfinite(float(metrics["loss"]))
+  jax.tree.map(np.testing.assert_array_equal, state.fp8, unused)
 
 
 @pytest.mark.slow
@@ -874,9 +863,9 @@ def _loop_dots(text):
 def test_scanned_layers_run_fp8_with_current_scaling_without_a_warning(make, fresh_warnings):
   """A 2-layer scanned MLP under 'mixed_fp8_current': the scan body's dots have FP8
   operands (E4M3 forward, E5M2 output gradient), it trains, and no fallback warning
-  (current scaling keeps no state to fall back from). Under 'mixed_fp8' Linen's lifted
-  layers warn and run current scaling; NNX's stacked ones keep a stacked delayed state
-  (tests/test_fp8_stacked.py)."""
+  (current scaling keeps no state to fall back from). Under 'mixed_fp8' both keep a
+  stacked delayed state (Linen's where the scan slices 'jaxamp_fp8'; this one does not,
+  and warns: tests/test_fp8_stacked.py)."""
   x = jnp.asarray(np.random.RandomState(0).randn(4, 8), jnp.float32)
   model = make()
   train = jaxamp.make_train_step(lambda m, b: jnp.mean((m(b) - 1.0) ** 2), optax.sgd(0.1),

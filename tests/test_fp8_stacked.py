@@ -8,6 +8,7 @@ model's.
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -320,7 +321,8 @@ def test_stacked_transposed_convolutions_keep_the_current_scaling_fallback(fresh
     warnings.simplefilter("always")
     state, metrics = train.step(state, jnp.ones((2, 6, 2)))
   msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
-  assert len(msgs) == 1 and "ConvTranspose blocks/conv has no delayed-scaling state" in msgs[0], msgs
+  assert len(msgs) == 1, msgs
+  assert "ConvTranspose blocks/conv has no delayed-scaling state" in msgs[0], msgs
   assert np.isfinite(float(metrics["loss"]))
 
 
@@ -381,3 +383,151 @@ def test_a_state_without_the_stacked_entries_gets_fresh_ones_with_a_warning(fres
   history = np.asarray(state.fp8["blocks"].amax_history)
   assert history[:, :, 0].all() and not history[:, :, 1:].any()  # one step recorded
   np.testing.assert_array_equal(state.fp8["head"].amax_history[:, 1], head.amax_history[:, 0])
+
+
+# --- Linen: layers inside nn.scan / nn.remat read their state from 'jaxamp_fp8' -------------
+
+
+def _linen_block(conv):
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      layer = nn.Conv(8, (3,), name="inner") if conv else nn.Dense(8, name="inner")
+      return nn.relu(layer(x)), None
+
+  return Block
+
+
+def _linen_stack(conv=False, axes=("params", fp8_stacked.COLLECTION)):
+  """L blocks under ``nn.scan`` slicing the collections ``axes``, then a head."""
+  block = _linen_block(conv)
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(block, variable_axes={a: 0 for a in axes},
+                     split_rngs={"params": True}, length=L)
+      return nn.Dense(2, name="head")(scan(name="blocks")(x, None)[0])
+
+  return Stack()
+
+
+def _linen_unrolled(conv=False):
+  """The stack's layers as separate modules (``l0``, ``l1``, the head)."""
+
+  class Unrolled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(L):
+        x = nn.relu(nn.Conv(8, (3,), name=f"l{i}")(x) if conv else nn.Dense(8, name=f"l{i}")(x))
+      return nn.Dense(2, name="head")(x)
+
+  return Unrolled()
+
+
+def _linen_batches(conv, n):
+  rs = np.random.RandomState(0)
+  shape = (2, 5, 8) if conv else (4, 8)
+  return [jnp.asarray(rs.randn(*shape) * (1 + i), jnp.float32) for i in range(n)]
+
+
+def test_linen_scan_layers_keep_a_stacked_state_read_through_the_collection(fresh_warnings):
+  """An ``nn.Dense`` inside ``nn.scan`` (``variable_axes`` listing ``'jaxamp_fp8'``) gets a
+  state stacked as its kernel; one step records every layer's amaxes without a warning;
+  the eval step reads it."""
+  x = _linen_batches(False, 1)[0]
+  model, train = _linen_stack(), _train(eval_fn=lambda m, b: jnp.mean(m(b)))
+  state = train.init(model, model.init(jax.random.key(0), x), x)
+  assert set(state.fp8) == {"blocks/inner", "head"}
+  assert state.fp8["blocks/inner"].amax_history.shape == (L, 3, 4)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, _ = train.step(state, x)
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  history = np.asarray(state.fp8["blocks/inner"].amax_history)
+  assert history[:, :, 0].all() and not history[:, :, 1:].any()
+  assert history[0, 0, 0] == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
+  assert history[1, 0, 0] != history[0, 0, 0]  # each layer its own
+  assert np.isfinite(float(train.eval_step(state, x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conv", [False, True])
+def test_linen_scan_layers_equal_the_unrolled_model_and_skip_exactly(conv, fresh_warnings):
+  """Two steps: each slice of the stacked history and scales, and each kernel, equals the
+  unrolled model's layer's bit for bit (Dense and Conv bodies); then a non-finite batch
+  changes neither the state nor the params."""
+  xs = _linen_batches(conv, 2)
+  model, unrolled = _linen_stack(conv), _linen_unrolled(conv)
+  variables = model.init(jax.random.key(0), xs[0])
+  stacked = variables["params"]["blocks"]["inner"]
+  ref_vars = {"params": {**{f"l{i}": jax.tree.map(lambda a, i=i: a[i], stacked)
+                            for i in range(L)}, "head": variables["params"]["head"]}}
+  train, ref = _train(), _train()
+  state = train.init(model, variables, xs[0])
+  ref_state = ref.init(unrolled, ref_vars, xs[0])
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for x in xs:
+      state, _ = train.step(state, x)
+      ref_state, _ = ref.step(ref_state, x)
+  assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+  got = state.fp8["blocks/inner"]
+  assert np.asarray(got.amax_history)[:, :, :2].all()
+  for i in range(L):
+    np.testing.assert_array_equal(got.amax_history[i], ref_state.fp8[f"l{i}"].amax_history)
+    np.testing.assert_array_equal(got.scale[i], ref_state.fp8[f"l{i}"].scale)
+    np.testing.assert_array_equal(state.params["blocks"]["inner"]["kernel"][i],
+                                  ref_state.params[f"l{i}"]["kernel"])
+  kept = jax.tree.map(np.asarray, (state.fp8, state.params))  # the step donates its state
+  after, metrics = train.step(state, xs[0].at[0, 0].set(jnp.nan))
+  assert not bool(metrics["grads_finite"])
+  jax.tree.map(np.testing.assert_array_equal, (after.fp8, after.params), kept)
+
+
+@pytest.mark.slow
+def test_linen_scan_not_slicing_the_collection_falls_back_with_the_warning(fresh_warnings):
+  """``variable_axes={'params': 0}`` alone: the scan body does not see the collection; the
+  layer warns (saying what to add), runs current scaling, and its state stays as it was."""
+  x = _linen_batches(False, 1)[0]
+  model, train = _linen_stack(axes=("params",)), _train()
+  state = train.init(model, model.init(jax.random.key(0), x), x)
+  before = jax.tree.map(np.asarray, state.fp8["blocks/inner"])
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, x)
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "FP8 Dense blocks/inner has no delayed-scaling state" in msgs[0]
+  assert "'jaxamp_fp8': 0 to variable_axes" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
+  jax.tree.map(np.testing.assert_array_equal, state.fp8["blocks/inner"], before)
+
+
+@pytest.mark.slow
+def test_linen_remat_layers_keep_their_delayed_state(fresh_warnings):
+  """``nn.remat(nn.Dense)`` (it lifts every collection): the same history and params as
+  the plain ``nn.Dense`` after a step, bit for bit; a second step records again, no
+  warning. (After two steps the two differ in the last bits under ``mixed_bfloat16``
+  too: the recomputed forward pass rounds otherwise.)"""
+  def make(remat):
+    class Stack(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        dense = nn.remat(nn.Dense) if remat else nn.Dense
+        return nn.Dense(2, name="head")(nn.relu(dense(8, name="inner")(x)))
+    return Stack()
+
+  xs = _linen_batches(False, 2)
+  variables = make(False).init(jax.random.key(0), xs[0])
+  out = []
+  for remat in (False, True):
+    train = _train()
+    state = train.init(make(remat), variables, xs[0])
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      state, _ = train.step(state, xs[0])
+      out.append(jax.tree.map(np.asarray, (state.fp8, state.params)))
+      state, _ = train.step(state, xs[1])
+    assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
+    assert np.asarray(state.fp8["inner"].amax_history)[:, :2].all()
+  jax.tree.map(np.testing.assert_array_equal, out[1], out[0])

@@ -14,7 +14,7 @@ from flax import linen as nn
 
 from jaxamp import _flax_compat
 from jaxamp import fp8 as fp8_lib
-from jaxamp import gather
+from jaxamp import fp8_stacked, gather, scaled
 from jaxamp import linen as amp_linen
 from jaxamp.adapters._common import PlainTrees, check_in_range
 from jaxamp.adapters._registry import Split
@@ -38,6 +38,7 @@ class LinenAdapter:
   wrapped: Any  # amp_linen.LinenPolicy under the step's policy
   recompute_norms: bool = False
   rng_streams: tuple[str, ...] = ("dropout",)  # the RNG streams each apply gets
+  lifted_fp8: frozenset[str] = frozenset()  # scaled-format layers inside lifted transforms
   uses_rng = True  # the step key feeds Linen's RNG streams
 
   def bind(self, params, model_state, rng, policy, *, train, float32_outputs, shards=None):
@@ -55,6 +56,11 @@ class LinenAdapter:
       rngs = stream_keys(jax.random.fold_in(rng, cell["calls"]), self.rng_streams)
       cell["calls"] += 1
       variables = {"params": params, **cell["state"]}
+      scope = scaled.current()
+      if self.lifted_fp8 and scope is not None and scope.state:
+        # Layers inside nn.scan & co. read theirs from a collection the transform lifts.
+        variables[fp8_stacked.COLLECTION] = fp8_stacked.linen_variables(scope.state,
+                                                                        self.lifted_fp8)
       try:
         if mutable:
           out, new_state = wrapped.apply(variables, *args, rngs=rngs, mutable=mutable,
@@ -128,17 +134,19 @@ class _Linen(PlainTrees):
                        "is module.init(...)'s result with a 'params' collection.")
     rows = fp8_rows = None
     if example_args or example_kwargs:
-      rows, lifted = amp_linen.module_plan(model, None, *example_args, policy=policy,
-                                           **example_kwargs)
-      # Layers inside nn.scan & co. run FP8 with current scaling: no state for them.
-      fp8_rows = [row for row in rows if row[0] not in lifted]
+      rows, lifted, kernels = amp_linen.module_plan(model, None, *example_args,
+                                                    policy=policy, **example_kwargs)
+      # Layers inside nn.scan & co. keep their state stacked as their kernels are.
+      fp8_rows = fp8_stacked.linen_rows(rows, lifted, kernels,
+                                        _flax_compat.unbox(variables["params"]))
     if rows is None and asks_for_fp8(policy):
       raise ValueError("An FP8 policy with a Linen module needs the example inputs: "
                        "train.init(module, variables, *example_args) finds the Dense "
                        "layers that keep FP8 state from them.")
     model_state = {k: v for k, v in variables.items() if k != "params"}
     adapter = LinenAdapter(model, _wrap(model, policy, recompute_norms), recompute_norms,
-                           _rng_streams(rng_streams, example_kwargs))
+                           _rng_streams(rng_streams, example_kwargs),
+                           frozenset(r[0] for r in fp8_rows or () if r[0] in lifted))
     return Split(adapter, variables["params"], model_state, rows, fp8_rows)
 
   def arrays(self, model: Any, variables: Any) -> Any:
