@@ -1,5 +1,6 @@
 """FSDP's FP8 kernel gather (jaxamp.fp8_gather, ShardingConfig.fp8_gather): E4M3 bytes on the
-wire, and the FP8 matmul's values bit for bit those of the compute-dtype gather."""
+wire, and the FP8 matmul's values bit for bit those of the compute-dtype gather (per-tensor
+current scaling and block scaling)."""
 
 import os
 import subprocess
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import fp8, fp8_gather
+from jax import lax
+
+from jaxamp import block, fp8, fp8_gather
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -63,6 +66,117 @@ def test_non_finite_kernels_other_dtypes_and_delayed_scaling():
     jaxamp.ShardingConfig(fp8_gather="yes")
 
 
+_BLOCK = (16, 16)
+
+
+def _block_kernels():
+  """bfloat16 kernels for 16x16 blocks: kernels of many magnitudes per
+  block (shapes not multiples of the block, one split over 4), one outlier per block,
+  a block whose amax just under the 1e-12 floor quantizes up to 448 (so ``448 / s``
+  rounds above it in bfloat16), blocks whose largest element rounds down to 224 (its
+  power-of-two scale would double without the amax put back), an all-zero block, -0."""
+  rng = np.random.RandomState(1)
+  mags = lambda r, c: 10.0 ** rng.uniform(-20, 20, (r // 16 + 1, 1, c // 16 + 1, 1))
+  out = []
+  for r, c in ((200, 300), (256, 384)):
+    k = rng.randn(r // 16 + 1, 16, c // 16 + 1, 16) * mags(r, c)
+    out.append(k.reshape((r // 16 + 1) * 16, (c // 16 + 1) * 16)[:r, :c])
+  k = rng.randn(64, 48) * 1e-3
+  k[::16, 3::16] = 300.0 * rng.choice([-1, 1], (4, 3))  # each block's outlier
+  k[16:32, :16] = 0.0
+  k[16, 1] = -0.0
+  below_eps = float(np.nextafter(np.float32(1e-12), np.float32(0)))
+  k[32:48, 16:32] *= 1e-15
+  k[33, 17] = float(jnp.asarray(below_eps, jnp.float32).astype(jnp.bfloat16))
+  k[:16, 32:] = rng.uniform(-200.0, 200.0, (16, 16))
+  k[0, 40] = 230.0  # E4M3 224: with power_of_two, s = 1 and 448 / 224 = 2 ** 1
+  k[48:, :16] = k[:16, 32:] * 2.0 ** -40
+  k[48, 0] = 230.0 * 2.0 ** -40
+  out.append(k)
+  return [jnp.asarray(k, jnp.float32).astype(jnp.bfloat16) for k in out]
+
+
+def _gathered_over_4(hook, w, recipe, axis=None):
+  """``hook`` as FSDP calls it on 4 devices, simulated with ``vmap``: ``w`` split 4 ways
+  along ``axis`` (None: its first dimension a multiple of 4 x 16, or not split), the
+  gather an ``all_gather`` over the vmapped axis; the whole kernel it returns (None:
+  the hook declined)."""
+  if axis is None:
+    axis = next((d for d in range(w.ndim) if w.shape[d] % 64 == 0), None)
+  if axis is None:
+    return hook(w, (), lambda a: a, recipe)
+  gather = lambda a: lax.all_gather(a, "dev", axis=axis, tiled=True)
+  one = lambda x: hook(x, ("dev",), gather, recipe)
+  moved = jax.vmap(one, axis_name="dev")(jnp.stack(jnp.split(w, 4, axis=axis)))
+  return None if moved is None else moved[0]
+
+
+@pytest.mark.parametrize("kernels", [
+    pytest.param(_block_kernels, id="block-adversarial"),
+    pytest.param(_kernels, id="per-tensor-adversarial", marks=pytest.mark.slow)])
+def test_a_block_gathered_kernel_requantizes_to_the_same_e4m3_blocks(kernels):
+  """The block matmul's own quantization of what the gather hands it equals its
+  quantization of the kernel, bit for bit, in the forward's blocks of ``[K, N]`` and in
+  the input gradient's (the kernel transposed, blocks transposed), with a split; with
+  and without power-of-two scales. (The per-tensor kernels, one compilation a shape,
+  in the slow tier.)"""
+  recipes = [jaxamp.BlockScaling(act_block=16, weight_block=_BLOCK, power_of_two=p2)
+             for p2 in (False, True)]
+
+  def layouts(w, recipe):
+    moved = _gathered_over_4(block.BLOCK.gather_quantized, w, recipe)
+    out = [moved]
+    for role, t in (("fwd", lambda k: k), ("dgrad", lambda k: k.T)):
+      b = block._blocks(recipe, role)[1]
+      out += [lax.bitcast_convert_type(block.quantize(t(k), b, power_of_two=
+                                                      recipe.power_of_two)[0], jnp.uint8)
+              for k in (moved, w)]
+    return out
+
+  both = jax.jit(lambda w: [layouts(w, r) for r in recipes])  # one compilation a shape
+  for w in kernels():
+    for moved, fwd_got, fwd_want, dgrad_got, dgrad_want in both(w):
+      assert moved.dtype == jnp.bfloat16 and moved.shape == w.shape
+      np.testing.assert_array_equal(np.asarray(fwd_got), np.asarray(fwd_want))
+      np.testing.assert_array_equal(np.asarray(dgrad_got), np.asarray(dgrad_want))
+
+
+def test_the_block_gather_refuses_what_it_cannot_prove_and_keeps_a_nan():
+  recipe = jaxamp.BlockScaling(weight_block=_BLOCK)
+  hook = block.BLOCK.gather_quantized
+  ok = jnp.ones((64, 32), jnp.bfloat16)
+  for x, r, axis in ((ok.astype(jnp.float32), recipe, None),
+                     (ok.astype(jnp.float16), recipe, None),
+                     (ok, jaxamp.BlockScaling(weight_block=(16, 8)), None),  # not square
+                     (ok[:40], recipe, 0),  # 40 rows split 4 ways: 10 a device
+                     (ok, recipe, 1),  # 32 columns split 4 ways: 8 a device
+                     (jnp.ones((64, 4, 4), jnp.bfloat16), recipe, None),  # rank 3
+                     (jnp.ones((64,), jnp.bfloat16), recipe, None)):
+    assert jax.eval_shape(lambda: _gathered_over_4(hook, x, r, axis)) is None, (
+        x.shape, x.dtype, r, axis)
+  # which modules' kernels: only those read as one matrix (per-tensor: all)
+  assert [block.BLOCK.gathers_read(k, recipe) for k in ("matrix", "einsum", "conv")] == [
+      True, False, False]
+  assert all(fp8.PER_TENSOR.gathers_read(k, jaxamp.CurrentScaling())
+             for k in ("matrix", "einsum", "conv"))
+  # rowwise and MXFP8 quantize the kernel in two layouts: no quantized gather
+  for policy in ("mixed_fp8_rowwise", "mixed_mxfp8"):
+    fmt = jaxamp.scaled.format_of(jaxamp.get_policy(policy).fp8)
+    assert fmt.gather_quantized is None, policy
+
+  @jax.jit
+  def product(w):  # a non-finite element stays NaN: the product is NaN, the step skipped
+    moved = _gathered_over_4(hook, w, recipe)
+    out = block.block_dot_general(jnp.ones((2, 64), jnp.bfloat16), moved,
+                                  (((1,), (0,)), ((), ())), recipe=recipe)
+    return moved, out
+
+  moved, out = product(ok.at[3, 20].set(jnp.inf))
+  assert np.isnan(np.asarray(moved[3, 20], np.float32))
+  assert np.isfinite(np.asarray(moved.at[3, 20].set(0), np.float32)).all()
+  assert np.isnan(np.asarray(out, np.float32)).any()
+
+
 @pytest.mark.filterwarnings("ignore:jaxamp. policy .mixed_fp8_current. runs FP8")
 def test_a_sharded_fp8_step_lowers_its_kernel_gathers_in_e4m3_and_the_switch_turns_it_off():
   """In process (one device, so lowering only: the 8-device runs are in the slow tier)."""
@@ -85,6 +199,42 @@ def test_a_sharded_fp8_step_lowers_its_kernel_gathers_in_e4m3_and_the_switch_tur
   # the kernel (8 x 16) in E4M3 and the bias (16) in bfloat16; or both in bfloat16
   assert gathered(True) == [("bf16", 32), ("f8E4M3FN", 128)]
   assert gathered(False) == [("bf16", 32), ("bf16", 256)]
+
+
+@pytest.mark.filterwarnings("ignore:jaxamp. policy .mixed_fp8_block. runs FP8")
+def test_a_sharded_block_step_lowers_matrix_kernels_in_e4m3_and_einsums_in_bf16():
+  """One device, lowering only: an NNX Linear's kernel gathers as E4M3 and one float32
+  amax per 128x128 block; an Einsum's and a 3-D LinearGeneral's kernels in bfloat16."""
+  import optax
+  from flax import nnx
+  from jaxamp.sharding import collectives
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+      self.einsum = nnx.Einsum("bi,io->bo", (16, 4), rngs=rngs)
+      self.general = nnx.LinearGeneral((2, 2), 3, axis=(-2, -1), use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.einsum(self.linear(x))
+      return jnp.sum(self.general(h.reshape(-1, 2, 2)))
+
+  mesh = jax.make_mesh((1,), ("data",))
+  x = jnp.ones((2, 8))
+
+  def gathered(on):
+    train = jaxamp.make_train_step(
+        lambda m, b: m(b), optax.sgd(0.1), policy="mixed_fp8_block",
+        sharding=jaxamp.ShardingConfig(mesh=mesh, param_sharding=jaxamp.fsdp(
+            "data", min_size=1, gather="model"), fp8_gather=on))
+    state = train.init(Model(nnx.Rngs(0)))
+    found = collectives(train.lower(state, x).as_text())
+    return sorted((c.dtype, c.bytes) for c in found if c.op == "all-gather")
+
+  # the Linear's kernel (8 x 16: one partial block) in E4M3 and its amax; the Einsum's
+  # (16 x 4) and the LinearGeneral's (2 x 2 x 3) in bfloat16
+  assert gathered(True) == [("bf16", 24), ("bf16", 128), ("f32", 4), ("f8E4M3FN", 128)]
+  assert gathered(False) == [("bf16", 24), ("bf16", 128), ("bf16", 256)]
 
 
 _SCRIPT = """
