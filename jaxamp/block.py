@@ -183,10 +183,17 @@ def quantize(x: jax.Array, block: tuple[int, int], dtype: Any = E4M3,
     (dtype(float8_e4m3fn), [[1.0, 448.0, 0.0]], [[1.0, 1.0]])
   """
   s = block_scale(x, block, dtype, power_of_two)
+  return _quantize_with(x, s, block, dtype), s
+
+
+def _quantize_with(x: jax.Array, s: jax.Array, block: tuple[int, int],
+                   dtype: Any = E4M3) -> jax.Array:
+  """``clip(x * s)`` in ``dtype`` with each block's multiplier ``s``, NaN where ``x`` is
+  not finite."""
   fp8_max = dtypes.format_of(dtype).max
   x32 = x.astype(_F32)
   scaled_x = jnp.clip(x32 * _per_element(s, block, x.shape), -fp8_max, fp8_max)
-  return jnp.where(jnp.isfinite(x32), scaled_x, jnp.nan).astype(dtype), s
+  return jnp.where(jnp.isfinite(x32), scaled_x, jnp.nan).astype(dtype)
 
 
 def dequantize(q: jax.Array, s: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -341,6 +348,7 @@ class BlockFp8(scaled.ScaledFormat):
     return fp8_gather.BlockRule(
         block, functools.partial(_block_amax, block=block),
         functools.partial(_scale_of, dtype=E4M3, power_of_two=recipe.power_of_two),
+        functools.partial(_quantize_with, block=block),
         lambda per_block, shape: _per_element(per_block, block, shape))
 
   def gather_quantized(self, x, axes, gather, recipe):

@@ -110,12 +110,15 @@ class BlockRule(NamedTuple):
     block: the ``(rows, columns)`` of a block.
     amax: ``x ->`` each block's largest magnitude, NaN where the block is not finite.
     scale: ``amax ->`` each block's multiplier, the format's own rule.
+    quantize: ``(x, scale) ->`` ``x`` in E4M3 with each block's multiplier, the
+      format's own cast (NaN where ``x`` is not finite).
     spread: ``(per_block, shape) ->`` each block's value on its elements.
   """
 
   block: tuple[int, int]
   amax: Callable[[jax.Array], jax.Array]
   scale: Callable[[jax.Array], jax.Array]
+  quantize: Callable[[jax.Array, jax.Array], jax.Array]
   spread: Callable[[jax.Array, tuple[int, ...]], jax.Array]
 
 
@@ -141,8 +144,8 @@ def gather_e4m3_blocks(x: jax.Array, gather: Callable[[jax.Array], jax.Array],
     >>> w = w.astype(jnp.bfloat16)
     >>> rule = block.BLOCK.block_rule(block.BlockScaling(weight_block=(4, 4)))
     >>> q = lambda k: block.quantize(k, (4, 4))[0].view(jnp.uint8)
-    >>> same = jax.jit(lambda w: q(fp8_gather.gather_e4m3_blocks(w, lambda a: a, rule)) == q(w))
-    >>> bool(same(w).all())
+    >>> moved = lambda w: fp8_gather.gather_e4m3_blocks(w, lambda a: a, rule)
+    >>> bool(jax.jit(lambda w: q(moved(w)) == q(w))(w).all())
     True
   """
   if not _exact_in(x.dtype) or x.ndim != 2:
@@ -150,12 +153,7 @@ def gather_e4m3_blocks(x: jax.Array, gather: Callable[[jax.Array], jax.Array],
   if not _aligned(x, jax.eval_shape(gather, x).shape, rule.block):
     return None
   amax = rule.amax(x)
-  s = rule.spread(rule.scale(amax), x.shape)
-  x32 = x.astype(jnp.float32)
-  fp8_max = float(jnp.finfo(jnp.float8_e4m3fn).max)
-  q = jnp.clip(x32 * s, -fp8_max, fp8_max)
-  q = jnp.where(jnp.isfinite(x32), q, jnp.nan).astype(jnp.float8_e4m3fn)
-  q, amax = gather(q), gather(amax)
+  q, amax = gather(rule.quantize(x, rule.scale(amax))), gather(amax)
   q32, shape = q.astype(jnp.float32), q.shape
   # Divided, not multiplied by a reciprocal (the barrier keeps XLA from rewriting it).
   out = q32 / lax.optimization_barrier(rule.spread(rule.scale(amax), shape))
