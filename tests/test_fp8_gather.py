@@ -303,9 +303,11 @@ for gather in {gathers!r}:
   # (gather='layer': jax 0.10 re-gathers both kernels in the backward pass, jax 0.11 one
   # of them, 2560 bytes; every kernel is gathered at least once, and the halving holds)
   assert b_off == 2 * b_on and KERNELS <= b_on <= times * KERNELS, (b_on, b_off)
-  # bit for bit the bfloat16 gather's step: loss, updated params
+  # bit for bit the bfloat16 gather's step: loss, updated params, the formats' state
+  # (the amaxes the matmuls saw: the gathered kernel's is the kernel's)
   np.testing.assert_array_equal(np.stack(l_on), np.stack(l_off))
-  for a, b in zip(leaves(s_on.params), leaves(s_off.params)):
+  assert leaves(s_on.scaled)
+  for a, b in zip(leaves((s_on.params, s_on.scaled)), leaves((s_off.params, s_off.scaled))):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(leaves(s_on.params), leaves(one.params)):
     np.testing.assert_allclose(a, b, rtol={rtol}, atol={atol})
