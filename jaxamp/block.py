@@ -45,6 +45,11 @@ result sliced back: every matmul runs the recipe, none falls back. Several contr
 dimensions (a ``DenseGeneral``) are flattened, in order, into one contraction; batch
 dimensions (an ``Einsum``'s) get their own tiles and blocks.
 
+Under :func:`jaxamp.fsdp` a 2-D kernel read as one matrix (not an Einsum's nor a
+convolution's) is gathered as E4M3 values and one float32 amax per block where the
+weight blocks are square and no block straddles two devices, the block matmul getting
+the same E4M3 values bit for bit (:func:`jaxamp.fp8_gather.gather_e4m3_blocks`).
+
 Example:
   >>> import jax.numpy as jnp, jaxamp
   >>> x = jnp.arange(256.0).reshape(1, 256)
