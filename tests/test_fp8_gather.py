@@ -71,7 +71,7 @@ _BLOCK = (16, 16)
 
 def _block_kernels():
   """bfloat16 kernels for 16x16 blocks (shapes not multiples of the block; the second
-  split 4 ways along its columns): many magnitudes per block, and in the second's
+  split 4 ways along its rows): many magnitudes per block, and in the second's
   first 64 x 48 adversarial blocks: one outlier per block, a block whose amax just under
   the 1e-12 floor quantizes up to 448 (so ``448 / s`` rounds above it in bfloat16),
   blocks whose largest element rounds down to 224 (its power-of-two scale would double
