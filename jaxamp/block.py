@@ -45,6 +45,11 @@ result sliced back: every matmul runs the recipe, none falls back. Several contr
 dimensions (a ``DenseGeneral``) are flattened, in order, into one contraction; batch
 dimensions (an ``Einsum``'s) get their own tiles and blocks.
 
+Under :func:`jaxamp.fsdp` a 2-D kernel read as one matrix (not an Einsum's nor a
+convolution's) is gathered as E4M3 values and one float32 amax per block where the
+weight blocks are square and no block straddles two devices, the block matmul getting
+the same E4M3 values bit for bit (:func:`jaxamp.fp8_gather.gather_e4m3_blocks`).
+
 Example:
   >>> import jax.numpy as jnp, jaxamp
   >>> x = jnp.arange(256.0).reshape(1, 256)
@@ -66,7 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import dtypes, scaled
+from jaxamp import dtypes, fp8_gather, scaled
 from jaxamp.recipes import E4M3
 
 __all__ = ["EPS", "BlockFp8", "BlockScaling", "block_dot_general", "block_scale",
@@ -138,6 +143,11 @@ def block_scale(x: jax.Array, block: tuple[int, int], dtype: Any = E4M3,
     >>> jaxamp.block.block_scale(x, (1, 2), power_of_two=True).tolist()
     [[128.0, 1.0], [128.0, 1.0]]
   """
+  return _scale_of(_block_amax(x, block), dtype, power_of_two)
+
+
+def _block_amax(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """Each ``block``'s largest magnitude, float32; NaN where the block is not finite."""
   rows, cols = block
   xp = _pad_last_two(x.astype(_F32), block)
   *lead, r, c = xp.shape
@@ -145,13 +155,18 @@ def block_scale(x: jax.Array, block: tuple[int, int], dtype: Any = E4M3,
   amax = jnp.max(jnp.abs(tiles), axis=(-3, -1))
   # Not finite where any element is: XLA's CPU max reductions may drop a NaN.
   finite = jnp.all(jnp.isfinite(tiles), axis=(-3, -1))
+  return jnp.where(finite, amax, jnp.nan)
+
+
+def _scale_of(amax: jax.Array, dtype: Any, power_of_two: bool) -> jax.Array:
+  """The multiplier of a block of amax ``amax`` (:func:`_block_amax`'s, NaN: not finite)."""
   s = dtypes.format_of(dtype).max / jnp.maximum(amax, EPS)
   if power_of_two:
     # 2**floor(log2(s)), exactly: s is a positive normal float32 (at most 448 / 1e-12),
     # so clearing its mantissa bits rounds it down to a power of two.
     bits = lax.bitcast_convert_type(s.astype(_F32), jnp.uint32)
     s = lax.bitcast_convert_type(bits & jnp.uint32(0xFF800000), _F32)
-  return jnp.where((amax > 0) & finite, s, 1.0).astype(_F32)
+  return jnp.where((amax > 0) & jnp.isfinite(amax), s, 1.0).astype(_F32)
 
 
 def _per_element(s: jax.Array, block: tuple[int, int], shape: tuple[int, ...]) -> jax.Array:
@@ -173,10 +188,17 @@ def quantize(x: jax.Array, block: tuple[int, int], dtype: Any = E4M3,
     (dtype(float8_e4m3fn), [[1.0, 448.0, 0.0]], [[1.0, 1.0]])
   """
   s = block_scale(x, block, dtype, power_of_two)
+  return _quantize_with(x, s, block, dtype), s
+
+
+def _quantize_with(x: jax.Array, s: jax.Array, block: tuple[int, int],
+                   dtype: Any = E4M3) -> jax.Array:
+  """``clip(x * s)`` in ``dtype`` with each block's multiplier ``s``, NaN where ``x`` is
+  not finite."""
   fp8_max = dtypes.format_of(dtype).max
   x32 = x.astype(_F32)
   scaled_x = jnp.clip(x32 * _per_element(s, block, x.shape), -fp8_max, fp8_max)
-  return jnp.where(jnp.isfinite(x32), scaled_x, jnp.nan).astype(dtype), s
+  return jnp.where(jnp.isfinite(x32), scaled_x, jnp.nan).astype(dtype)
 
 
 def dequantize(q: jax.Array, s: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -316,6 +338,33 @@ class BlockFp8(scaled.ScaledFormat):
     tile = (1, recipe.act_block)
     s = block_scale(x, tile, E4M3, recipe.power_of_two)
     return x.astype(_F32) * _per_element(s, tile, x.shape), E4M3
+
+  def gathers_read(self, read: str, recipe: BlockScaling) -> bool:
+    """Only kernels read as one matrix (:meth:`jaxamp.scaled.ScaledFormat.gathers_read`):
+    an Einsum's pattern may make a kernel dimension a batch one, a convolution reads its
+    kernel as an im2col GEMM; their blocks are not the stored kernel's."""
+    del recipe
+    return read == "matrix"
+
+  def block_rule(self, recipe: BlockScaling) -> fp8_gather.BlockRule:
+    """The recipe's weight-block rule, as :func:`jaxamp.fp8_gather.gather_e4m3_blocks`
+    takes it."""
+    block = recipe.weight_block
+    return fp8_gather.BlockRule(
+        block, functools.partial(_block_amax, block=block),
+        functools.partial(_scale_of, dtype=E4M3, power_of_two=recipe.power_of_two),
+        functools.partial(_quantize_with, block=block),
+        lambda per_block, shape: _per_element(per_block, block, shape))
+
+  def gather_quantized(self, x, axes, gather, recipe):
+    """FSDP's kernel gather in E4M3 with per-block amaxes
+    (:func:`jaxamp.fp8_gather.gather_e4m3_blocks`): square weight blocks only, which
+    the forward, the input gradient and a kernel stored ``[out, in]`` all read alike."""
+    del axes  # each block's amax is its own: nothing to reduce across devices
+    rows, cols = recipe.weight_block
+    if rows != cols:
+      return None
+    return fp8_gather.gather_e4m3_blocks(x, gather, self.block_rule(recipe))
 
   def describe(self, recipe: BlockScaling) -> str:
     """``'fp8 e4m3fn, 1x128 act / 128x128 weight blocks'`` (``', pow2 scales'`` added

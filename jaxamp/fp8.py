@@ -559,6 +559,17 @@ def hooks(cls: type) -> bool:
   return named_layer(cls) or any(issubclass(cls, classes()) for classes in _hooked)
 
 
+def kernel_read(cls: type) -> str:
+  """How a module of class ``cls`` reads its kernel
+  (:meth:`jaxamp.scaled.ScaledFormat.gathers_read`): ``'conv'``, ``'einsum'`` (NNX's
+  Einsum) or ``'matrix'``."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if is_conv(cls):
+    return "conv"
+  return "einsum" if issubclass(cls, nnx.Einsum) else "matrix"
+
+
 def runs_fp8(cls: type, policy: Any) -> bool:
   """Whether a module of class ``cls`` under ``policy`` runs its matmul in FP8."""
   if getattr(policy, "fp8", None) is None or not hooks(cls):

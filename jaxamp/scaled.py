@@ -187,8 +187,19 @@ class ScaledFormat(abc.ABC):
   # values and a scale), such that the format's matmul quantizes it to exactly the values
   # it would have quantized the kernel gathered in the compute dtype to; or None where it
   # cannot promise that (the gather then moves the compute dtype). Its gradient is the
-  # gather's (straight-through). :mod:`jaxamp.fp8` defines it for current scaling.
+  # gather's (straight-through). :mod:`jaxamp.fp8` defines it for current scaling,
+  # :mod:`jaxamp.block` for square weight blocks.
   gather_quantized = None
+
+  def gathers_read(self, read: str, recipe: Any) -> bool:
+    """Whether :attr:`gather_quantized` may gather the kernel of a module that reads it
+    as ``read``: ``'matrix'`` (one operand of a matmul, transposed or not: Linear, Dense,
+    LinearGeneral, DenseGeneral, Hugging Face's FlaxConv1D, Equinox's Linear),
+    ``'einsum'`` (an Einsum: its pattern, known only at call time, may make a kernel
+    dimension a batch one) or ``'conv'`` (a convolution). The default: every read (a
+    per-tensor scale does not care how the kernel is laid out)."""
+    del read, recipe
+    return True
 
   # Optional: ``whatif(self, x, role, recipe) -> tuple[jax.Array, Any] | None``, what the
   # numerics monitor's what-if measures (``jaxamp.Numerics(whatif=(policy name,))``):

@@ -22,6 +22,7 @@ from jaxamp import fp8 as fp8_lib
 from jaxamp import residuals as residuals_lib
 from jaxamp import rounding as rounding_lib
 from jaxamp import rules as rules_lib
+from jaxamp import scaled
 from jaxamp import sharding as sharding_lib
 from jaxamp.casting import is_floating_array, overflowed_casts, widen_floating
 from jaxamp.adapters import Library
@@ -106,21 +107,27 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
   return tuple(out)
 
 
-def _fp8_gathered(params: Any, recipes: Mapping[str, Any],
+def _fp8_gathered(params: Any, recipes: Mapping[str, Any], classes: Mapping[str, type],
                   holders: Mapping[str, list[str]]) -> list[Any]:
   """Per param leaf, the recipe (in ``recipes``: those of the modules keeping scaled-format
-  state) of the module whose kernel it is (its ``kernel`` or ``weight``, held by that
-  module alone), or None: the leaves the sharded step may gather in that format
-  (``ShardingConfig.fp8_gather``). Stacked layers of a scan (whose stacked recipe,
-  :class:`jaxamp.fp8_stacked.Stacked`, gathers nothing quantized) and lifted Linen
-  modules (no state) read one layer of their kernel: one scale for the whole stack would
-  not be theirs, and they keep the compute-dtype gather."""
+  state, of class ``classes[path]``) of the module whose kernel it is (its ``kernel`` or
+  ``weight``, held by that module alone) where the recipe's format gathers that module's
+  read of it (:meth:`jaxamp.scaled.ScaledFormat.gathers_read`), or None: the leaves the
+  sharded step may gather in that format (``ShardingConfig.fp8_gather``). Stacked layers
+  of an ``nnx.scan`` or ``nn.scan`` (whose stacked recipe,
+  :class:`jaxamp.fp8_stacked.Stacked`, gathers nothing quantized) read one layer of their
+  kernel: one scale for the whole stack would not be theirs, and they keep the
+  compute-dtype gather."""
   out = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
     leaf = leaf_name(path)
     module, _, field = leaf.rpartition("/")
     kernel = field in ("kernel", "weight") and leaf not in holders
-    out.append(recipes.get(module) if kernel else None)
+    recipe = recipes.get(module) if kernel else None
+    if recipe is not None and not scaled.format_of(recipe).gathers_read(
+        fp8_lib.kernel_read(classes[module]), recipe):
+      recipe = None  # e.g. block scaling: an Einsum's or a convolution's kernel
+    out.append(recipe)
   return out
 
 
@@ -228,8 +235,9 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
     gather_dtypes = _gather_dtypes(params, rows, holders)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
         x, jax.sharding.PartitionSpec))
-    quantized = (_fp8_gathered(params, scaled_recipes, holders) if sharding.fp8_gather
-                 else [None] * len(spec_leaves))
+    classes = {path: cls for path, cls, _ in split.fp8_rows or ()}
+    quantized = (_fp8_gathered(params, scaled_recipes, classes, holders)
+                 if sharding.fp8_gather else [None] * len(spec_leaves))
     shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
                             sharding.reduce_dtype(x.dtype))._replace(quantized=q)
                    for s, x, q in zip(spec_leaves, jax.tree.leaves(params), quantized))
