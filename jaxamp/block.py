@@ -356,11 +356,11 @@ class BlockFp8(scaled.ScaledFormat):
         functools.partial(_quantize_with, block=block),
         lambda per_block, shape: _per_element(per_block, block, shape))
 
-  def gather_quantized(self, x, axes, gather, recipe):
+  def gather_quantized(self, x, axes, gather, recipe, state=None):
     """FSDP's kernel gather in E4M3 with per-block amaxes
     (:func:`jaxamp.fp8_gather.gather_e4m3_blocks`): square weight blocks only, which
     the forward, the input gradient and a kernel stored ``[out, in]`` all read alike."""
-    del axes  # each block's amax is its own: nothing to reduce across devices
+    del axes, state  # each block's amax is its own: nothing to reduce across devices
     rows, cols = recipe.weight_block
     if rows != cols:
       return None

@@ -376,12 +376,16 @@ class PerTensorFp8(scaled.ScaledFormat):
     nonfinite = jnp.where(jnp.isfinite(amaxes[0]) & jnp.isfinite(amaxes[1]), 0.0, jnp.nan)
     return out / (sa * sb) + nonfinite.astype(_F32)
 
-  def gather_quantized(self, x, axes, gather, recipe):
-    """FSDP's kernel gather in E4M3 (:mod:`jaxamp.fp8_gather`): current scaling only."""
-    if isinstance(recipe, DelayedScaling):
-      return None  # its scale lives in the module's state: the compute-dtype gather
-    return fp8_gather.gather_e4m3(
-        x, axes, gather, lambda a: _current_scale(a, _MAX[KERNEL], recipe.margin), quantize)
+  def gather_quantized(self, x, axes, gather, recipe, state=None):
+    """FSDP's kernel gather in E4M3 (:mod:`jaxamp.fp8_gather`), with delayed scaling's
+    kernel scale from the module's ``state`` (None without one)."""
+    if not isinstance(recipe, DelayedScaling):
+      scale_of = lambda a: _current_scale(a, _MAX[KERNEL], recipe.margin)
+    elif state is None:
+      return None
+    else:
+      scale_of = lambda a: state.scale[KERNEL]
+    return fp8_gather.gather_e4m3(x, axes, gather, scale_of, quantize)
 
   def describe(self, recipe: Fp8Recipe) -> str:
     """``'fp8 e4m3fn/e5m2 per-tensor delayed'`` (or ``current``)."""

@@ -17,9 +17,16 @@ non-finite kernel comes out all NaN, so the step is skipped as without the gathe
 Only a bfloat16 compute dtype gathers so: in float32 the argument above leaves an ulp of
 doubt, and in float16 ``q / scale`` of a kernel with a small amax (below about 1e-2)
 can fall under float16's smallest subnormal, where it would not round back to ``q``.
-(In bfloat16, float32's range, that takes an amax below about 1e-33.) Delayed scaling
-(:class:`jaxamp.DelayedScaling`) quantizes with a scale from its state, not from the
-kernel's amax; its kernels keep the compute-dtype gather.
+(In bfloat16, float32's range, that takes an amax below about 1e-33.)
+
+Delayed scaling (:class:`jaxamp.DelayedScaling`) quantizes with the kernel scale its
+state holds (from earlier steps' amaxes), which the gather is handed: each device
+quantizes its slice with that scale, and the elements holding the largest E4M3
+magnitude arrive as the kernel's amax (one scalar all-reduce, as above; their sign
+kept). The matmul, quantizing with the same scale, gets the same E4M3 values (the other
+elements by the argument above; those put back: ``amax * scale`` rounds to that largest
+value, as the kernel's largest element did, or saturates at 448 as it did), and the amax
+it records in the history is the kernel's own, so the next step's scale is the same.
 
 Block scaling (:class:`jaxamp.BlockScaling`, :func:`gather_e4m3_blocks`) scales each
 weight block by its own amax: each device quantizes its slice per block, and the E4M3
@@ -95,11 +102,14 @@ def gather_e4m3(x: jax.Array, axes: tuple[str, ...], gather: Callable[[jax.Array
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   amax = lax.pmax(amax, axes) if axes else amax
   scale = scale_of(amax)
-  q = gather(quantize(x, jnp.float8_e4m3fn, scale))
+  q = gather(quantize(x, jnp.float8_e4m3fn, scale)).astype(jnp.float32)
+  # The elements holding the largest |q| come back as +-amax (their sign, -0 kept): the
+  # kernel's amax, which a delayed-scaling matmul records, is the original's bit for bit
+  # (its scale is from its history, so the largest q need not be 448).
+  out = jnp.where(jnp.abs(q) == jnp.max(jnp.abs(q)), jnp.copysign(amax, q), q / scale)
   # A non-finite kernel comes out all NaN (its inf would arrive as 448 / scale, finite).
   # jnp.where, not adding 0 or NaN: a -0 stays -0, E4M3's 0x80 bit for bit.
-  out = jnp.where(jnp.isfinite(amax), q.astype(jnp.float32) / scale, jnp.nan)
-  return out.astype(x.dtype)
+  return jnp.where(jnp.isfinite(amax), out, jnp.nan).astype(x.dtype)
 
 
 class BlockRule(NamedTuple):

@@ -40,7 +40,7 @@ import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -95,6 +95,7 @@ class Shard(NamedTuple):
       format quantizes (a kernel), or None: the gather may then move the slice in that
       format (:meth:`jaxamp.scaled.ScaledFormat.gather_quantized`) rather than in the
       reader's compute dtype.
+    reader: that module's path (its scaled-format state's key), or None.
   """
 
   spec: tuple[tuple[str, ...], ...]
@@ -103,6 +104,7 @@ class Shard(NamedTuple):
   reduce_dtype: np.dtype
   shape: tuple[int, ...]
   quantized: Any = None
+  reader: str | None = None
 
   @classmethod
   def of(cls, spec: jax.sharding.PartitionSpec, shape: Sequence[int],
@@ -184,17 +186,18 @@ def _gather_slice(x: jax.Array, spec: tuple[tuple[str, ...], ...]) -> jax.Array:
   return x
 
 
-def _cast_and_gather(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
+def _cast_and_gather(x: jax.Array, shard: Shard, dtype: Any, state: Any = None) -> jax.Array:
   """The slice ``x`` cast to ``dtype`` and all-gathered: moved in its reader's scaled
   format where the Shard names one whose format gathers quantized (and says it applies
-  to this recipe and dtype), else in ``dtype``."""
+  to this recipe and dtype; ``state``: the reader's scaled-format state, if the step has
+  it), else in ``dtype``."""
   x = x.astype(dtype)
   if shard.quantized is not None and shard.sharded:
     hook = getattr(scaled.format_of(shard.quantized), "gather_quantized", None)
     if hook is not None:
       axes = tuple(a for names in shard.spec for a in names)
       out = hook(x, axes, functools.partial(_gather_slice, spec=shard.spec),
-                 shard.quantized)
+                 shard.quantized, **({} if state is None else {"state": state}))
       if out is not None:
         return out
   return _gather_slice(x, shard.spec)
@@ -226,24 +229,26 @@ def reduced(g: jax.Array, shard: Shard) -> jax.Array:
   return jax.lax.psum(g, rest) if rest else g
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gathered(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def gathered(x: jax.Array, state: Any, shard: Shard, dtype: Any) -> jax.Array:
   """Inside ``shard_map``: the slice ``x`` cast to ``dtype`` and all-gathered; its
   gradient is the full gradient reduce-scattered in ``shard.reduce_dtype`` (returned in
   ``x``'s dtype). Where ``shard.quantized`` names a format that gathers quantized, the
   slice travels in that format (the forward value is then what the format's matmul
-  quantizes alike; the gradient is straight-through, as that matmul treats it)."""
-  return _cast_and_gather(x, shard, dtype)
+  quantizes alike; the gradient is straight-through, as that matmul treats it), with
+  ``state``, the reader's scaled-format state (None: none; its cotangent is zero)."""
+  return _cast_and_gather(x, shard, dtype, state)
 
 
-def _gathered_fwd(x: jax.Array, shard: Shard, dtype: Any) -> tuple[jax.Array, Any]:
-  # No residual: the stored dtype travels as a zero-size array.
-  return gathered(x, shard, dtype), jax.numpy.zeros((0,), x.dtype)
+def _gathered_fwd(x: jax.Array, state: Any, shard: Shard, dtype: Any) -> tuple[jax.Array, Any]:
+  # The stored dtype travels as a zero-size array, the state for its zero cotangent.
+  return gathered(x, state, shard, dtype), (jax.numpy.zeros((0,), x.dtype), state)
 
 
-def _gathered_bwd(shard: Shard, dtype: Any, stored: Any, ct: jax.Array) -> tuple[jax.Array]:
+def _gathered_bwd(shard: Shard, dtype: Any, residuals: Any, ct: jax.Array) -> tuple[Any, Any]:
   del dtype
-  return (reduced(ct, shard).astype(stored.dtype),)
+  stored, state = residuals
+  return reduced(ct, shard).astype(stored.dtype), jax.tree.map(jax.numpy.zeros_like, state)
 
 
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -344,7 +349,7 @@ def read(x: jax.Array, shard: Shard, dtype: Any) -> jax.Array:
   gathers before it, in the stored dtype (float32: twice the bytes)."""
   mesh = _reading_now.mesh
   if mesh is None:
-    return gathered(x, shard.of_slice(np.shape(x)), dtype)
+    return gathered(x, _reader_state(shard), shard.of_slice(np.shape(x)), dtype)
   stored = shard._replace(shape=shard.global_shape).of_slice(np.shape(x)).spec
   x = _constrained(x.astype(dtype), P(*[names or None for names in stored]), mesh)
   return _constrained(x, P(), mesh)
@@ -437,14 +442,26 @@ def whole(tree: Any) -> Any:
       else x, tree, is_leaf=is_slice)
 
 
-def gather_all(shards: Sequence[Shard], dtypes: Sequence[Any], params: Any) -> Any:
+def _reader_state(shard: Shard) -> Any:
+  """The scaled-format state of the module reading a kernel the gather may quantize, as
+  the running scope holds it (gradients stopped: the gather only reads it), or None."""
+  scope = scaled.current()
+  if shard.quantized is None or shard.reader is None or scope is None:
+    return None
+  state = scope.state.get(shard.reader)
+  return None if state is None else jax.lax.stop_gradient(state)
+
+
+def gather_all(shards: Sequence[Shard], dtypes: Sequence[Any], params: Any,
+               states: Mapping[str, Any] | None = None) -> Any:
   """Inside shard_map (``gather='model'``): every param slice cast to its dtype in
   ``dtypes``, then all-gathered (a kernel of a scaled format's module in that format, as
-  :func:`gathered`)."""
+  :func:`gathered`, with its reader's state in ``states``)."""
   leaves, treedef = jax.tree.flatten(params)
+  states = states or {}
   return treedef.unflatten([
-      _cast_and_gather(x, s, dt) if is_floating_array(x) else _gather_slice(x, s.spec)
-      for x, s, dt in zip(leaves, shards, dtypes)])
+      _cast_and_gather(x, s, dt, states.get(s.reader)) if is_floating_array(x)
+      else _gather_slice(x, s.spec) for x, s, dt in zip(leaves, shards, dtypes)])
 
 
 def reduce_all(shards: Sequence[Shard], grads: Any, dtypes: Sequence[Any]) -> Any:

@@ -179,16 +179,17 @@ class ScaledFormat(abc.ABC):
   # formats through it.
   product = None
 
-  # Optional: ``gather_quantized(self, x, axes, gather, recipe) -> jax.Array | None``,
-  # FSDP's all-gather of a kernel this format quantizes (``jaxamp.fsdp``; the gather
-  # passes it ``x``, this device's slice already in the reader's compute dtype, ``axes``,
-  # the mesh axes the slice is split over, and ``gather``, which all-gathers an array laid
-  # out as ``x``). It returns the whole kernel in ``x``'s dtype, moved in fewer bytes (FP8
+  # Optional: ``gather_quantized(self, x, axes, gather, recipe, state=None) ->
+  # jax.Array | None``, FSDP's all-gather of a kernel this format quantizes
+  # (``jaxamp.fsdp``; the gather passes it ``x``, this device's slice already in the
+  # reader's compute dtype, ``axes``, the mesh axes the slice is split over, ``gather``,
+  # which all-gathers an array laid out as ``x``, and, where the step has it, ``state=``,
+  # the reading module's state, read only). It returns the whole kernel in ``x``'s dtype, moved in fewer bytes (FP8
   # values and a scale), such that the format's matmul quantizes it to exactly the values
   # it would have quantized the kernel gathered in the compute dtype to; or None where it
   # cannot promise that (the gather then moves the compute dtype). Its gradient is the
-  # gather's (straight-through). :mod:`jaxamp.fp8` defines it for current scaling,
-  # :mod:`jaxamp.block` for square weight blocks.
+  # gather's (straight-through). :mod:`jaxamp.fp8` defines it (delayed scaling from the
+  # state), :mod:`jaxamp.block` for square weight blocks.
   gather_quantized = None
 
   def gathers_read(self, read: str, recipe: Any) -> bool:

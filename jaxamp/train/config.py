@@ -70,19 +70,20 @@ class ShardingConfig:
       the same change: a count of calls). BatchNorm statistics are averaged and RNG
       streams kept without it; other state a step changes under a mesh is refused until
       declared.
-    fp8_gather: with ``param_sharding`` and an FP8 policy with current scaling
-      (``'mixed_fp8_current'``, bfloat16 compute), gather each FP8 module's kernel as
-      E4M3 values and one float32 scale (half the bytes of bfloat16), quantized with the
-      scale of the whole kernel's amax (one scalar all-reduce) before the gather, as
-      torchao's float8 all-gather: the FP8 matmul gets bit-identical E4M3 values
-      (:mod:`jaxamp.fp8_gather`). Block scaling (``'mixed_fp8_block'``, square weight
+    fp8_gather: with ``param_sharding`` and a per-tensor FP8 policy (``'mixed_fp8'``,
+      ``'mixed_fp8_current'``, bfloat16 compute), gather each FP8 module's kernel as
+      E4M3 values and one float32 scale (half the bytes of bfloat16), quantized before
+      the gather with the scale the matmul uses (current scaling: the whole kernel's
+      amax's, one scalar all-reduce; delayed: the module's state's), as torchao's
+      float8 all-gather: the FP8 matmul gets bit-identical E4M3 values, and delayed
+      scaling records the same amaxes (:mod:`jaxamp.fp8_gather`). Block scaling (``'mixed_fp8_block'``, square weight
       blocks) gathers E4M3 values and one float32 amax per weight block, for the 2-D
       kernels of modules reading them as one matrix (not an Einsum's nor a
       convolution's) whose split dimensions' local sizes the block divides. Rowwise and
       MXFP8 scaling quantize the kernel along ``K`` in the forward and along ``N`` in
       the input gradient, each from the high-precision kernel: gathered quantized in
-      one layout, it would reach the other product rounded twice, so they (and delayed
-      scaling, whose scale is state) gather the compute dtype. True (default) where a
+      one layout, it would reach the other product rounded twice, so they gather the
+      compute dtype. True (default) where a
       format can do it exactly; False: every kernel gathered in its compute dtype (also
       for a ``loss_fn`` that reads FP8 kernels itself under ``gather='model'``: it would
       read them E4M3-rounded).

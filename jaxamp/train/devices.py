@@ -101,7 +101,7 @@ def _sharded_grads(plan: Plan, state: TrainState, batch: Any, scale: jax.Array,
       # first, so their gradients come back float32, as the whole-model path's do.
       inputs = widen_floating(params) if plan.widens else params
     else:
-      inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params)
+      inputs = gather.gather_all(plan.shards, plan.gather_dtypes, params, scaled)
     changed: set[int] = set()
     grads, loss, aux, new_state, new_scaled, seen = loss_and_grads(
         plan, inputs, keys, batch, rng, scale / n, scaled, keep_float32=True, axes=axes,

@@ -108,16 +108,17 @@ def _gather_dtypes(params: Any, rows: list[Any] | None,
 
 
 def _fp8_gathered(params: Any, recipes: Mapping[str, Any], classes: Mapping[str, type],
-                  holders: Mapping[str, list[str]]) -> list[Any]:
-  """Per param leaf, the recipe (in ``recipes``: those of the modules keeping scaled-format
-  state, of class ``classes[path]``) of the module whose kernel it is (its ``kernel`` or
-  ``weight``, held by that module alone) where the recipe's format gathers that module's
-  read of it (:meth:`jaxamp.scaled.ScaledFormat.gathers_read`), or None: the leaves the
-  sharded step may gather in that format (``ShardingConfig.fp8_gather``). Stacked layers
-  of an ``nnx.scan`` or ``nn.scan`` (whose stacked recipe,
-  :class:`jaxamp.fp8_stacked.Stacked`, gathers nothing quantized) read one layer of their
-  kernel: one scale for the whole stack would not be theirs, and they keep the
-  compute-dtype gather."""
+                  holders: Mapping[str, list[str]]) -> list[tuple[Any, str | None]]:
+  """Per param leaf, ``(recipe, module path)`` of the module whose kernel it is (its
+  ``kernel`` or ``weight``, held by that module alone; the recipe in ``recipes``, those of
+  the modules keeping scaled-format state, of class ``classes[path]``) where the recipe's
+  format gathers that module's read of it
+  (:meth:`jaxamp.scaled.ScaledFormat.gathers_read`), else ``(None, None)``: the leaves the
+  sharded step may gather in that format (``ShardingConfig.fp8_gather``), and the key of
+  the state the format reads. Stacked layers of an ``nnx.scan`` or ``nn.scan`` (whose
+  stacked recipe, :class:`jaxamp.fp8_stacked.Stacked`, gathers nothing quantized) read
+  one layer of their kernel: one scale for the whole stack would not be theirs, and they
+  keep the compute-dtype gather."""
   out = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
     leaf = leaf_name(path)
@@ -127,7 +128,7 @@ def _fp8_gathered(params: Any, recipes: Mapping[str, Any], classes: Mapping[str,
     if recipe is not None and not scaled.format_of(recipe).gathers_read(
         fp8_lib.kernel_read(classes[module]), recipe):
       recipe = None  # e.g. block scaling: an Einsum's or a convolution's kernel
-    out.append(recipe)
+    out.append((recipe, module if recipe is not None else None))
   return out
 
 
@@ -237,10 +238,10 @@ def init(options: Options, model: Any, variables: Mapping[str, Any] | None = Non
         x, jax.sharding.PartitionSpec))
     classes = {path: cls for path, cls, _ in split.fp8_rows or ()}
     quantized = (_fp8_gathered(params, scaled_recipes, classes, holders)
-                 if sharding.fp8_gather else [None] * len(spec_leaves))
+                 if sharding.fp8_gather else [(None, None)] * len(spec_leaves))
     shards = tuple(Shard.of(s, np.shape(x), sharding.mesh, sharding.batch_axes,
-                            sharding.reduce_dtype(x.dtype))._replace(quantized=q)
-                   for s, x, q in zip(spec_leaves, jax.tree.leaves(params), quantized))
+                            sharding.reduce_dtype(x.dtype))._replace(quantized=q, reader=r)
+                   for s, x, (q, r) in zip(spec_leaves, jax.tree.leaves(params), quantized))
     layer_gather = _gathers_per_layer(options, library, model)
   master_weights, rounding = options.memory.master_weights, options.memory.rounding
   param_apply = _param_apply(options, params, name) if rounding is not None else None
