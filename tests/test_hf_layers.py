@@ -89,3 +89,48 @@ def test_a_flaxconv1d_product_is_the_fp8_dot_of_its_input_and_kernel():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   plain = jnp.einsum("btd,fd->btf", bf(x), bf(k)) + bf(b)
   assert not np.array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+
+
+@pytest.mark.slow
+def test_flaxconv1d_layers_in_an_nn_scan_keep_per_layer_state_as_unrolled(fresh_warnings):
+  """Two FlaxConv1D layers stacked by ``nn.scan`` (``'jaxamp_fp8'`` sliced with the
+  params) keep one delayed state each: after two steps the stacked history equals that of
+  the same layers applied one after another, bit for bit, with no warning."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.gelu(FlaxConv1D(8, name="c")(x)), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.scan(Block, variable_axes={"params": 0, "jaxamp_fp8": 0},
+                     split_rngs={"params": True}, length=2)(name="s")(x, None)[0]
+
+  class Unrolled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = nn.gelu(FlaxConv1D(8, name=f"c{i}")(x))
+      return x
+
+  rng = np.random.RandomState(0)
+  xs = [jnp.asarray(rng.randn(4, 8) * (1 + i), jnp.float32) for i in range(2)]
+  variables = Scanned().init(jax.random.key(0), xs[0])
+  stacked = variables["params"]["s"]["c"]
+  unrolled = {"params": {f"c{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(2)}}
+  states = []
+  for model, v in ((Scanned(), variables), (Unrolled(), unrolled)):
+    train = jaxamp.make_train_step(lambda m, b: jnp.mean((m(b) - 1.0) ** 2), optax.sgd(0.1),
+                                   policy="mixed_fp8")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      state = train.init(model, v, xs[0])
+      for x in xs:
+        state, _ = train.step(state, x)
+    states.append(state.fp8)
+  history = states[0]["s/c"].amax_history
+  assert history.shape == (2, 3, 1024) and np.asarray(history)[:, :, :2].all()
+  for i in range(2):
+    np.testing.assert_array_equal(history[i], states[1][f"c{i}"].amax_history)
