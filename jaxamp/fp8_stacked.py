@@ -201,8 +201,9 @@ def linen_rows(rows: list[Any], lifted: frozenset[str],
   the layers outside lifted transforms, and those inside whose kernel the transform
   slices in a known way (its stored shape ends with the shape the call read,
   ``kernels``): their policy then gets a :class:`Stacked` recipe over the stored
-  kernel's extra leading dimensions (none under ``nn.remat``). ``params``: the
-  model's ``'params'`` collection."""
+  kernel's extra leading dimensions (none under ``nn.remat``, the one transform whose
+  layers keep an unstacked state). ``params``: the model's ``'params'`` collection."""
+  classes = {path: cls for path, cls, _ in rows}
   out = []
   for path, cls, policy in rows:
     if path not in lifted:
@@ -217,9 +218,33 @@ def linen_rows(rows: list[Any], lifted: frozenset[str],
     extra = len(stored) - len(read)
     if extra < 0 or stored[extra:] != read:
       continue
+    if not extra and not _only_checkpoints(path, classes):
+      # An unstacked state read inside nn.vmap or nn.scan would have its cotangent summed
+      # over the examples or steps: the summed amaxes of a broadcast kernel.
+      continue
     out.append((path, cls, policy.with_fp8(Stacked(policy.fp8, stored[:extra]))
                 if extra else policy))
   return out
+
+
+def _lifted_by(cls: Any) -> str | None:
+  """The lifted transform whose class Flax made of ``cls``'s base (``nn.remat(nn.Dense)``
+  is a ``CheckpointDense``: the transform's name, capitalized, before the class's), or
+  None."""
+  if getattr(cls, "__module__", None) != "flax.linen.transforms" or len(cls.__mro__) < 2:
+    return None
+  base = cls.__mro__[1].__name__
+  return cls.__name__[:-len(base)].lower() if cls.__name__.endswith(base) else None
+
+
+def _only_checkpoints(path: str, classes: Mapping[str, type]) -> bool:
+  """Whether every lifted transform around the layer at ``path`` (the first class run at
+  it and at each path above, from ``classes``) is ``nn.remat``'s checkpoint, which runs
+  its body once: its unstacked state is then read once."""
+  parts = path.split("/") if path else []
+  found = [_lifted_by(classes.get("/".join(parts[:i]))) for i in range(len(parts) + 1)]
+  found = [t for t in found if t is not None]
+  return bool(found) and all(t == "checkpoint" for t in found)
 
 
 def linen_variables(state: Mapping[str, Any], paths: Iterable[str]) -> dict[str, Any]:

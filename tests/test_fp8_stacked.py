@@ -531,3 +531,28 @@ def test_linen_remat_layers_keep_their_delayed_state(fresh_warnings):
     assert not [w for w in seen if "state" in str(w.message)], [str(w.message) for w in seen]
     assert np.asarray(state.fp8["inner"].amax_history)[:, :2].all()
   jax.tree.map(np.testing.assert_array_equal, out[1], out[0])
+
+
+@pytest.mark.slow
+def test_a_linen_vmap_broadcasting_its_kernel_gets_no_state(fresh_warnings):
+  """``nn.vmap`` of a Dense whose kernel (and the collection) it broadcasts: a state read
+  once per example would get its amaxes summed over them, so the layer gets none; it
+  warns and runs current scaling."""
+
+  class Mapped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.vmap(nn.Dense, variable_axes={"params": None, fp8_stacked.COLLECTION: None},
+                      split_rngs={"params": False})
+      return dense(4, name="d")(x)
+
+  x = jnp.asarray(np.random.RandomState(0).randn(3, 2, 8), jnp.float32)
+  model, train = Mapped(), _train()
+  state = train.init(model, model.init(jax.random.key(0), x), x)
+  assert state.fp8 is None
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    state, metrics = train.step(state, x)
+  msgs = [str(w.message) for w in seen if "current scaling" in str(w.message)]
+  assert len(msgs) == 1 and "Dense d has no delayed-scaling state" in msgs[0], msgs
+  assert np.isfinite(float(metrics["loss"]))
