@@ -55,7 +55,7 @@ def test_gathered_parameters_and_barriers_are_recomputed_by_every_jaxamp_policy(
                                           check_vma=False))(*args)
     return closed.jaxpr.eqns[0].params["jaxpr"].eqns
 
-  read = eqns(lambda x: gathered(x, shard, BF16), jnp.ones(8))[0]
+  read = eqns(lambda x: gathered(x, None, shard, BF16), jnp.ones(8))[0]
   other = eqns(lambda x: jax.nn.relu(x), jnp.ones(8))[0]  # a custom_jvp, no gather
   barrier = eqns(lambda x: jax.lax.optimization_barrier(x) * 2, jnp.ones(8))[0]
   assert gathers(read.primitive, read.params) and not gathers(other.primitive, other.params)
