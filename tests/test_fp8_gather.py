@@ -339,8 +339,9 @@ print("FP8-GATHER-OK")
 """
 
 # A non-finite input: the step is skipped exactly (params unchanged), as with the bfloat16
-# gather; Linen and Equinox models gather E4M3 kernels per layer and step bit for bit as
-# with the switch off.
+# gather; Linen's Dense and Equinox's Linear (its [out, in] weight, read transposed) gather
+# E4M3 kernels per layer (and, block scaling, their blocks' amaxes) and step bit for bit
+# as with the switch off. Their kernels are split along 64 outputs (whole 8x8 blocks).
 _EXTRA = """
 train, state = make("model")
 bad = dict(batch, x=batch["x"].at[3, 2].set(jnp.inf))
@@ -350,7 +351,6 @@ assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
 for a, b in zip(leaves(new.params), before):
   np.testing.assert_array_equal(a, b)
 
-# Linen (read slices) and Equinox (policy views), per layer: E4M3 kernels, the same step
 import equinox as eqx
 import flax.linen as nn
 x, y = batch["x"], batch["y"]
@@ -359,16 +359,20 @@ for lib in ("linen", "equinox"):
   for on in (True, False):
     train = jaxamp.make_train_step(
         lambda m, b: jnp.mean(((m(b["x"]) if lib == "linen" else jax.vmap(m)(b["x"]))
-                               - b["y"]) ** 2),
+                               [:, :16] - b["y"]) ** 2),
         optax.sgd(0.1), policy=POLICY, sharding=jaxamp.ShardingConfig(
             mesh=mesh, fp8_gather=on,
             param_sharding=jaxamp.fsdp("data", min_size=64, gather="layer")))
-    if lib == "linen":
-      module = nn.Dense(16)
+    if lib == "linen":  # kernel [8, 64]
+      module = nn.Dense(64)
       state = train.init(module, module.init(jax.random.key(0), x), x)
-    else:
-      state = train.init(eqx.nn.Linear(8, 16, key=jax.random.key(0)))
-    assert bool([c for c in gathers(train, state) if c.dtype == "f8E4M3FN"]) == on, lib
+    else:  # weight [64, 8]
+      state = train.init(eqx.nn.Linear(8, 64, key=jax.random.key(0)))
+    found = gathers(train, state)
+    e4m3 = sum(c.bytes for c in found if c.dtype == "f8E4M3FN")
+    amax = sum(c.bytes for c in found if c.dtype == "f32")
+    assert (e4m3 >= 8 * 64 and amax * (BLOCK or 1) == (4 * e4m3 if BLOCK else 0)) if on else (
+        not (e4m3 or amax)), (lib, found)
     state, losses = run(train, state)
     params[on] = leaves(state.params) + [np.stack(losses)]
   for a, b in zip(params[True], params[False]):
@@ -414,50 +418,11 @@ def test_fsdp_delayed_scaling_gathers_kernels_as_e4m3_bit_identical_on_8_devices
 
 
 # Block scaling with 8x8 weight blocks: every kernel's split dimension (64 over 8
-# devices) holds whole blocks. A non-finite input is skipped exactly; Linen's Dense and
-# Equinox's Linear (its [out, in] weight, read transposed) gather E4M3 kernels and their
-# blocks' amaxes per layer and step bit for bit as with the switch off.
+# devices) holds whole blocks.
 _BLOCK_POLICY = ('jaxamp.get_policy("mixed_fp8_block").with_fp8('
                  'jaxamp.BlockScaling(act_block=8, weight_block=(8, 8)))')
-_BLOCK_EXTRA = """
-train, state = make("model")
-bad = dict(batch, x=batch["x"].at[3, 2].set(jnp.inf))
-before = leaves(state.params)  # the step donates the state's buffers
-new, metrics = train.step(state, bad)
-assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
-for a, b in zip(leaves(new.params), before):
-  np.testing.assert_array_equal(a, b)
-
-import equinox as eqx
-import flax.linen as nn
-x, y = batch["x"], batch["y"]
-for lib in ("linen", "equinox"):
-  params = dict()
-  for on in (True, False):
-    train = jaxamp.make_train_step(
-        lambda m, b: jnp.mean(((m(b["x"]) if lib == "linen" else jax.vmap(m)(b["x"]))
-                               [:, :16] - b["y"]) ** 2),
-        optax.sgd(0.1), policy=POLICY, sharding=jaxamp.ShardingConfig(
-            mesh=mesh, fp8_gather=on,
-            param_sharding=jaxamp.fsdp("data", min_size=64, gather="layer")))
-    if lib == "linen":  # kernel [8, 64], split along its 64 outputs
-      module = nn.Dense(64)
-      state = train.init(module, module.init(jax.random.key(0), x), x)
-    else:  # weight [64, 8], split along its 64 outputs
-      state = train.init(eqx.nn.Linear(8, 64, key=jax.random.key(0)))
-    found = gathers(train, state)
-    e4m3 = sum(c.bytes for c in found if c.dtype == "f8E4M3FN")
-    amax = sum(c.bytes for c in found if c.dtype == "f32")
-    assert (e4m3 >= 8 * 64 and amax * BLOCK == 4 * e4m3) if on else not (e4m3 or amax), (
-        lib, found)
-    state, losses = run(train, state)
-    params[on] = leaves(state.params) + [np.stack(losses)]
-  for a, b in zip(params[True], params[False]):
-    np.testing.assert_array_equal(a, b)
-  print(lib, "ok")
-"""
 
 
 @pytest.mark.slow
 def test_fsdp_block_scaled_kernels_gather_as_e4m3_bit_identical_on_8_devices(tmp_path):
-  _run_script(tmp_path, ("layer", "model"), _BLOCK_EXTRA, _BLOCK_POLICY, 64)
+  _run_script(tmp_path, ("layer", "model"), _EXTRA, _BLOCK_POLICY, 64)
