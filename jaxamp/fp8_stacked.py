@@ -25,7 +25,9 @@ kernel where its ``variable_axes`` lists it (``{'params': 0, 'jaxamp_fp8': 0}``,
 Flax's own FP8 layers need ``'_overwrite_with_gradient': 0``; ``nn.remat`` lifts every
 collection). The state's leading dimensions are those the kernel has beyond what the
 layer's call reads (:func:`linen_rows`). A transform that does not lift the collection
-leaves the layer without state: it warns and runs current scaling.
+leaves the layer without state: it warns and runs current scaling; so does an
+``nn.vmap`` or ``nn.scan`` that broadcasts the layer's kernel (one state read once per
+example or step would get their amaxes summed by the transform's backward pass).
 
 Example:
   >>> import jax.numpy as jnp, jaxamp
@@ -51,8 +53,7 @@ from jaxamp._flax_compat import unbox
 
 __all__ = ["COLLECTION", "Stacked", "StackedFormat", "StackedState", "attach", "extra_dims",
            "keeps_state", "linen_reads", "linen_rows", "linen_state_of", "linen_variables",
-           "rows",
-           "state_of"]
+           "rows", "state_of"]
 
 # The attribute of a stacked layer holding its StackedState in the step's model copy.
 ATTR = "_jaxamp_fp8_stacked"
