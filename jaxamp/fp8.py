@@ -734,11 +734,7 @@ def nnx_fields(module: Any, policy: Any) -> dict[str, Any]:
   if isinstance(module, _flax_convs()) and not scaled.runs_conv(policy.fp8):
     return {}  # no convolution in the format
   path, what = nnx_where(module)
-  own = fp8_stacked.state_of(module, policy.fp8)  # a stacked layer's slice of its state
-  if own is fp8_stacked.FROM_SCOPE:
-    own = None
-  elif own is None:
-    path = None  # its scan did not slice the state: it runs without (and warns)
+  path, own = fp8_stacked.nnx_reads(module, path, policy.fp8)  # a stacked layer's slice
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   attrs = vars(module)

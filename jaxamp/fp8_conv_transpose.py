@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxamp import _warn_once
 from jaxamp import fp8 as fp8_lib
-from jaxamp import fp8_conv, scaled
+from jaxamp import fp8_conv, fp8_stacked, scaled
 
 __all__ = ["linen_call", "nnx_call"]
 
@@ -63,13 +63,15 @@ def nnx_call(module: Any, policy: Any, fn: Callable[..., Any]) -> Callable[..., 
       _own_call(type(module))
     return fn  # a subclass's own call or another method: theirs to keep
   path, what = fp8_lib.nnx_where(module)
-  return _with(fn, scaled.conv_for(path, policy.fp8, what))
+  path, own = fp8_stacked.nnx_reads(module, path, policy.fp8)  # a stacked layer's slice
+  return _with(fn, scaled.conv_for(path, policy.fp8, what, own))
 
 
 def linen_call(module: Any, path: tuple[str, ...], policy: Any,
                next_fun: Callable[..., Any], lifted: bool) -> Callable[..., Any]:
-  """As :func:`nnx_call`, for a Linen ``module``'s ``__call__`` (``next_fun``); no state
-  where ``lifted`` (inside ``nn.scan``/``nn.vmap``: current scaling)."""
+  """As :func:`nnx_call`, for a Linen ``module``'s ``__call__`` (``next_fun``); where
+  ``lifted`` (inside ``nn.scan`` & co.) with the state the transform lifts
+  (:func:`jaxamp.fp8_stacked.linen_reads`)."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   if not isinstance(module, nn.ConvTranspose) or not fp8_lib.runs_fp8(type(module), policy):
@@ -78,6 +80,7 @@ def linen_call(module: Any, path: tuple[str, ...], policy: Any,
     _own_call(type(module))
     return next_fun
   name = "/".join(path)
+  key, own = fp8_stacked.linen_reads(module, name, policy.fp8, lifted)
   call = _with(nn.ConvTranspose.__call__.__wrapped__, scaled.conv_for(
-      None if lifted else name, policy.fp8, f"{type(module).__name__} {name}"))
+      key, policy.fp8, f"{type(module).__name__} {name}", own))
   return lambda *args, **kwargs: call(module, *args, **kwargs)

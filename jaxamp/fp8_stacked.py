@@ -52,8 +52,8 @@ from jaxamp import scaled
 from jaxamp._flax_compat import unbox
 
 __all__ = ["COLLECTION", "Stacked", "StackedFormat", "StackedState", "attach", "extra_dims",
-           "keeps_state", "linen_reads", "linen_rows", "linen_state_of", "linen_variables",
-           "rows", "state_of"]
+           "linen_reads", "linen_rows", "linen_state_of", "linen_variables",
+           "nnx_reads", "rows", "state_of"]
 
 # The attribute of a stacked layer holding its StackedState in the step's model copy.
 ATTR = "_jaxamp_fp8_stacked"
@@ -125,27 +125,19 @@ def extra_dims(module: Any) -> tuple[int, ...]:
   return tuple(int(d) for d in shape[:max(len(shape) - declared, 0)])
 
 
-def keeps_state(module: Any) -> bool:
-  """Whether a stacked layer gets a stacked state: one whose format's operation jaxamp
-  gives it (a ``Linear``, ``LinearGeneral``, ``Einsum`` or ``Conv``); a stacked
-  ``ConvTranspose`` (run by :mod:`jaxamp.fp8_conv_transpose`) runs with current scaling."""
-  return not isinstance(module, nnx.ConvTranspose)
-
-
 def rows(model: Any, plan: list[Any], classes: tuple[type, ...],
          path_name: Callable[[Any], str]) -> list[Any]:
   """The ``(path, class, policy)`` rows of an NNX ``model``'s scaled-format modules with
-  each stacked layer's policy given a :class:`Stacked` recipe (its state is then stacked)
-  and stacked transposed convolutions left out (they run without state)."""
-  dims = {path_name(path): (extra_dims(node), keeps_state(node))
+  each stacked layer's policy given a :class:`Stacked` recipe (its state is then
+  stacked)."""
+  dims = {path_name(path): extra_dims(node)
           for path, node in nnx.iter_graph(model) if isinstance(node, classes)}
   out = []
   for path, cls, policy in plan:
-    found, keep = dims.get(path, ((), True))
-    if found and keep and getattr(policy, "fp8", None) is not None:
+    found = dims.get(path, ())
+    if found and getattr(policy, "fp8", None) is not None:
       policy = policy.with_fp8(Stacked(policy.fp8, found))
-    if keep or not found:
-      out.append((path, cls, policy))
+    out.append((path, cls, policy))
   return out
 
 
@@ -168,6 +160,17 @@ def attach(model: Any, state: dict[str, Any], classes: tuple[type, ...],
 
 FROM_SCOPE = object()
 """What :func:`state_of` returns for a layer holding no :class:`StackedState`."""
+
+
+def nnx_reads(module: Any, path: str | None, recipe: Any) -> tuple[str | None, Any]:
+  """``(state key, state)`` for an NNX layer's operation (``scaled.dot_for``'s ``path``
+  and ``own``): ``(path, its slice)`` for a stacked layer inside its scan, ``(None,
+  None)`` where the scan did not slice its state (it runs without, and warns), else
+  ``(path, None)``: its state the running scope's."""
+  own = state_of(module, recipe)
+  if own is FROM_SCOPE:
+    return path, None
+  return (path, own) if own is not None else (None, None)
 
 
 def state_of(module: Any, recipe: Any) -> Any:
