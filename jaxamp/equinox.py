@@ -279,9 +279,7 @@ def _fp8_linear(info: _Info) -> Callable[..., Any]:
     dot = fp8_lib.dot_for(info.fp8_path, info.policy.fp8, f"Linear {info.fp8_path}")
     if self.in_features == "scalar":
       x = x.reshape(x.shape + (1,))
-    # Under jax.vmap the dot folds the mapped axis into its rows (scaled.batch_folded):
-    # the batch is one tensor, one scale and amax, as a Flax Dense sees it.
-    y = dot(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+    y = _one_matmul_per_batch(dot, info.fp8_path)(x, self.weight)
     if self.bias is not None:
       y = y + self.bias
     return y[..., 0] if self.out_features == "scalar" else y
@@ -345,7 +343,7 @@ def _fp8_conv_transpose(info: _Info) -> Callable[..., Any]:
 def _one_conv_per_batch(run: Callable[..., Any], path: str) -> Callable[[Any, Any], Any]:
   """One example's convolution (``x``: ``[C, *spatial]``) that, under ``jax.vmap``, runs
   once on the batch (its ``N`` dimension): one scale and amax for the batch, as
-  :func:`jaxamp.scaled.batch_folded` does for a ``Linear``'s dot."""
+  :func:`_one_matmul_per_batch` does for a ``Linear``."""
 
   def one(x, w):
     return run(x[None], w)[0]
@@ -363,9 +361,38 @@ def _one_conv_per_batch(run: Callable[..., Any], path: str) -> Callable[[Any, An
       return jax.vmap(one, in_axes=(0 if x_mapped else None, 0))(x, w), True
     return run(x, w), True  # the batch is the convolution's N
 
-  # Only a mapped call gets the custom_vmap: left in a program no vmap resolves (one
-  # example, no batch), it could not be differentiated.
-  return lambda x, w: batched(x, w) if scaled.mapped(x) or scaled.mapped(w) else one(x, w)
+  return batched
+
+
+def _one_matmul_per_batch(dot: Callable[..., Any], path: str) -> Callable[[Any, Any], Any]:
+  """``x @ weight.T`` through the FP8 ``dot``, run once on a whole batch under
+  ``jax.vmap`` (the usual way to call an Equinox model on a batch).
+
+  Mapped example by example, each example would be quantized with its own scale and
+  the amaxes the dot hands back as the state's cotangent would be summed over the
+  examples; with the batch folded into the matmul's rows (a ``custom_vmap`` rule) the
+  batch is one tensor, as a Flax ``Dense`` sees it: one scale, the batch's amax. A
+  weight mapped too (an ensemble) is matmul'd example by example.
+  """
+
+  def matmul(x, w):
+    return dot(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+  @jax.custom_batching.custom_vmap
+  def batched(x, w):
+    return matmul(x, w)
+
+  @batched.def_vmap
+  def _rule(axis_size, in_batched, x, w):
+    del axis_size
+    scaled.retraced(path)  # this trace replaces the one custom_vmap made of `batched`
+    x_mapped, w_mapped = in_batched
+    if w_mapped:
+      return jax.vmap(matmul, in_axes=(0 if x_mapped else None, 0))(x, w), True
+    # The batch folded into the rows (a vmap around this one maps it example by example).
+    return matmul(x, w), True
+
+  return batched
 
 
 def _owns_slices(module: Any) -> bool:

@@ -67,13 +67,11 @@ __all__ = [
     "describe",
     "described_in",
     "amax",
-    "batch_folded",
     "conv_for",
     "dims",
     "transpose_lhs",
     "format_of",
     "is_recipe",
-    "mapped",
     "matmul_layout",
     "kept_on_skip",
     "merge_state",
@@ -480,58 +478,12 @@ def dot_for(path: str | None, recipe: Any, what: str, own: Any = None) -> Callab
     check()
     if kwargs.get("out_sharding", "absent") is None:
       del kwargs["out_sharding"]  # Flax layers pass it; None asks for nothing
-
-    def run(lhs, rhs, dimension_numbers):
-      with jax.named_scope(scope_name(recipe)):
-        return fmt.dot_general(lhs, rhs, dimension_numbers, precision,
-                               preferred_element_type, state=state, recipe=recipe, **kwargs)
-
-    if state is None or own is not None:  # no state, or a stacked layer's own slice
-      return run(lhs, rhs, dimension_numbers)
-    return batch_folded(run, lhs, rhs, dimension_numbers)
+    with jax.named_scope(scope_name(recipe)):
+      return fmt.dot_general(lhs, rhs, dimension_numbers, precision,
+                             preferred_element_type, state=state, recipe=recipe, **kwargs)
 
   dot.jaxamp_fp8 = True  # ours, not the user's: a lifted clone gets its own
   return dot
-
-
-def mapped(x: Any) -> bool:
-  """Whether ``x`` is mapped by a ``jax.vmap`` running around this call: a value of its
-  batching trace with a mapped axis (a broadcast value there has none)."""
-  return type(x).__name__ == "BatchTracer" and getattr(x, "batch_dim", None) is not None
-
-
-def batch_folded(run: Callable[..., Any], lhs: jax.Array, rhs: jax.Array,
-                 dimension_numbers: Any) -> jax.Array:
-  """``run(lhs, rhs, dimension_numbers)``, a module's dot with its one state, such that
-  under ``jax.vmap`` of the input alone (``nnx.vmap`` of a model over examples, the
-  kernel broadcast) the mapped axis is folded into the input's rows: the dot runs once,
-  on the batch as one tensor, as without the map. Mapped example by example, each
-  example would be quantized with its own scale and the amaxes the dot hands back as the
-  state's cotangent summed over the examples. Only a mapped input gets the
-  ``custom_vmap`` (left in a program no ``vmap`` resolves, it could not be
-  differentiated); a mapped kernel runs example by example."""
-  if not mapped(lhs) or mapped(rhs):
-    return run(lhs, rhs, dimension_numbers)
-
-  @jax.custom_batching.custom_vmap
-  def batched(lhs, rhs):
-    return run(lhs, rhs, dimension_numbers)
-
-  @batched.def_vmap
-  def _rule(axis_size, in_batched, lhs, rhs):
-    del axis_size
-    if in_batched[1] or not in_batched[0]:
-      return jax.vmap(lambda a, b: run(a, b, dimension_numbers),
-                      in_axes=(0 if in_batched[0] else None, 0 if in_batched[1] else None)
-                      )(lhs, rhs), True
-    (lc, rc), (lb, rb) = dimension_numbers
-    shift = lambda dims: tuple(d + 1 for d in dims)
-    folded = ((shift(lc), tuple(rc)), (shift(lb), tuple(rb)))
-    # The mapped axis is the input's first free one: after the dot's batch dimensions.
-    out = batch_folded(run, lhs, rhs, folded)  # an outer vmap folds again
-    return jax.numpy.moveaxis(out, len(lb), 0), True
-
-  return batched(lhs, rhs)
 
 
 def matmul_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any

@@ -396,27 +396,3 @@ def test_fp8_state_goes_to_every_linear_but_stacked_ones():
   scan_rows = amp_eqx.module_policies(scan, policy)
   stacked = {path for path, cls, _ in scan_rows if issubclass(cls, eqx.nn.Linear)}
   assert stacked and not jaxamp.fp8.init_state(amp_eqx.fp8_rows(scan, scan_rows))
-
-
-@pytest.mark.filterwarnings("ignore:.*XLA on CPU")
-def test_fp8_layers_train_on_one_example_and_under_nested_vmaps():
-  """A Linear and a Conv called on one example (no jax.vmap: no custom_vmap left to
-  differentiate) train under 'mixed_fp8'; ``vmap(vmap(linear))`` records the history and
-  makes the params of ``vmap`` over the flattened batch, bit for bit (each vmap folded)."""
-  lin = eqx.nn.Linear(8, 4, key=jax.random.key(0))
-  conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(1))
-
-  def step(model, loss, batch):
-    train = jaxamp.make_train_step(loss, optax.sgd(0.1), policy="mixed_fp8")
-    state, metrics = train.step(train.init(model), batch)
-    assert np.isfinite(float(metrics["loss"]))
-    return jax.tree.map(np.asarray, (state.fp8, state.params))
-
-  square = lambda m, b: jnp.mean(m(b) ** 2)
-  for model, one in ((lin, jnp.ones(8)), (conv, jnp.ones((3, 6, 6)))):
-    fp8, _ = step(model, square, one)
-    assert next(iter(fp8.values())).amax_history[0, 0] == 1.0  # the example's amax
-  x = jnp.asarray(np.random.RandomState(0).randn(2, 3, 8), jnp.float32)
-  nested = step(lin, lambda m, b: jnp.mean(jax.vmap(jax.vmap(m))(b) ** 2), x)
-  flat = step(lin, lambda m, b: jnp.mean(jax.vmap(m)(b.reshape(6, 8)) ** 2), x)
-  jax.tree.map(np.testing.assert_array_equal, nested, flat)

@@ -281,37 +281,3 @@ def test_each_formats_dot_refuses_an_out_sharding_and_unknown_keywords(recipe):
     call(bogus=1)
   # Flax layers pass None: accepted (traced only: the refusals need no computation)
   assert jax.eval_shape(lambda: call(out_sharding=None)).shape == (4, 8)
-
-
-# --- a module's dot under jax.vmap of its input: the batch folded into its rows ------------
-
-
-def _vmapped_linear_step(mapped):
-  """One 'mixed_fp8' step of an NNX Linear called on a [3, 2, 8] batch through
-  ``nnx.vmap`` over its first axis (the layer broadcast), or on the batch as it is."""
-
-  class Model(nnx.Module):
-    def __init__(self):
-      self.d = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-      return nnx.vmap(lambda d, x: d(x), in_axes=(None, 0))(self.d, x) if mapped else self.d(x)
-
-  x = jnp.asarray(np.random.RandomState(0).randn(3, 2, 8), jnp.float32)
-  train = jaxamp.make_train_step(lambda m, b: jnp.mean(m(b) ** 2), optax.sgd(0.1),
-                                 policy="mixed_fp8")
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*XLA on CPU.*")
-    state, _ = train.step(train.init(Model()), x)
-  return jax.tree.map(np.asarray, (state.fp8, state.params)), x
-
-
-def test_a_dot_mapped_over_its_input_folds_the_batch_into_one_matmul():
-  """Mapped example by example, the delayed-scaling history would get the examples' amaxes
-  summed (the input amax 6.8 for a batch whose amax is 2.5); folded, the mapped step's
-  history and parameters are the unmapped step's, bit for bit."""
-  (mapped, x) = _vmapped_linear_step(True)
-  plain, _ = _vmapped_linear_step(False)
-  assert mapped[0]["d"].amax_history[0, 0] == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
-  jax.tree.map(np.testing.assert_array_equal, mapped, plain)
-  assert not scaled.mapped(x) and not scaled.mapped(jnp.ones(2))
